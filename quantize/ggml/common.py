@@ -126,3 +126,23 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     ax = x.abs()
     idx = ax.argmax(dim, keepdim=True)
     return x.gather(dim, idx).squeeze(dim), ax.gather(dim, idx).squeeze(dim)
+
+
+def sqrtf(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root, as C ``sqrtf`` (``sqrtss``).
+
+    ``torch.sqrt`` on float32 is not correctly rounded on every backend (the MKL-backed CPU
+    kernel misrounds ~20% of inputs). The float64 root rounded to float32 is used as a
+    candidate and then corrected exactly: the float32 neighbours' midpoints (25 significant
+    bits) square exactly in float64 and bracket ``x``. ``x`` float32 >= 0 (or NaN/inf), any
+    shape; returns float32.
+    """
+    s = torch.sqrt(x.to(torch.float64)).to(torch.float32)
+    xd = x.to(torch.float64)
+    sd = s.to(torch.float64)
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    dn = torch.nextafter(s, torch.zeros_like(s))
+    hi = (sd + up.to(torch.float64)) * 0.5
+    lo = (sd + dn.to(torch.float64)) * 0.5
+    s = torch.where(xd > hi * hi, up, s)
+    return torch.where(xd < lo * lo, dn, s)

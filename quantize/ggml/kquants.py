@@ -1,0 +1,513 @@
+"""K-quant ggml types (super-blocks of 256): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+
+Vectorized torch reproductions of llama.cpp's ``quantize_row_qX_K_ref`` (the path taken by
+``ggml_quantize_chunk`` without an importance matrix) and ``dequantize_row_qX_K``
+(``ggml/src/ggml-quants.c``, pinned version in ``shared/specs/gguf.md``).
+
+Bit-exactness rules followed throughout:
+
+* float32 only, one rounding per C operation in C's left-to-right order, no fused
+  multiply-add; divisions go through :func:`common.fdiv` (true division).
+* C's sequential ``for`` sums are reproduced by a Python loop over the (16 or 32)
+  positions of a sub-block, each step one vectorized op over all sub-blocks.
+* the scales ``d``/``dmin`` are stored as fp16 (RNE) and read back through fp16 for the
+  requantization, as C does.
+
+Internally sub-blocks are laid out "positions first": ``X[i, s]`` is element ``i`` of
+sub-block ``s`` (``s = superblock * n_sub + j``), so that one position of all sub-blocks is
+a contiguous row.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import GGMLType, register
+from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sqrtf, to_int8
+
+QK_K = 256
+GROUP_MAX_EPS = f32(1e-15)
+
+
+# ============================================================================ helpers
+
+def _ni_clamp(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``MAX(lo, MIN(hi, nearest_int(v)))`` as float32 (exact small integers)."""
+    return nearest_int(v).clamp_(lo, hi).to(torch.float32)
+
+
+def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 [nb, 256] -> [n, nb * (256 // n)]: sub-blocks of n elements as columns."""
+    nb = x.shape[0]
+    return x.reshape(nb, QK_K // n, n).permute(2, 0, 1).reshape(n, -1)
+
+
+def _blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
+    """Inverse of :func:`_positions_first`: [n, nb * (256 // n)] -> [nb, 256]."""
+    n = L.shape[0]
+    return L.reshape(n, nb, QK_K // n).permute(1, 2, 0).reshape(nb, QK_K)
+
+
+def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
+    """Sequential float32 sum over axis 0 (``acc += p[i]`` for i = 0, 1, ...): [n, ...] -> [...]."""
+    acc = p[0].clone()
+    for i in range(1, p.shape[0]):
+        acc += p[i]
+    return acc
+
+
+def _positive_max(s: torch.Tensor) -> torch.Tensor:
+    """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]."""
+    m = s.amax(-1)
+    return torch.where(m > 0, m, 0.0)
+
+
+def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
+    """int32 [nb, 256] of 0..3 -> uint8 [nb, 64]:
+    ``qs[32h + l] = L[128h+l] | L[128h+l+32] << 2 | L[128h+l+64] << 4 | L[128h+l+96] << 6``."""
+    q = L.reshape(-1, 2, 4, 32)
+    out = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    return (out & 0xFF).to(torch.uint8).reshape(-1, 64)
+
+
+def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, 64] -> int32 [nb, 256], inverse of :func:`_pack_2bit`."""
+    q = qs.to(torch.int32).reshape(-1, 2, 1, 32)
+    shifts = torch.arange(0, 8, 2, device=qs.device, dtype=torch.int32).reshape(1, 1, 4, 1)
+    return ((q >> shifts) & 3).reshape(-1, QK_K)
+
+
+def _pack_scale_min_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """6-bit scales and mins int32 [nb, 8] -> uint8 [nb, 12] (Q4_K/Q5_K packing)."""
+    lo_s, hi_s = ls[:, :4], ls[:, 4:]
+    lo_m, hi_m = lm[:, :4], lm[:, 4:]
+    out = torch.cat([lo_s | ((hi_s >> 4) << 6),
+                     lo_m | ((hi_m >> 4) << 6),
+                     (hi_s & 0xF) | ((hi_m & 0xF) << 4)], dim=1)
+    return (out & 0xFF).to(torch.uint8)
+
+
+def _unpack_scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [nb, 12] -> (scales, mins) int32 [nb, 8]; ggml ``get_scale_min_k4`` for j = 0..7."""
+    q = sc.to(torch.int32)
+    a, b, c = q[:, 0:4], q[:, 4:8], q[:, 8:12]
+    ls = torch.cat([a & 63, (c & 0xF) | ((a >> 6) << 4)], dim=1)
+    lm = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=1)
+    return ls, lm
+
+
+# ============================================================================ shared routines
+
+def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
+
+    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``). Weights are x². Returns
+    (scale float32 [S], L float32 [n, S] holding integers 0..2*nmax-1). Sub-blocks whose
+    largest |x| is below 1e-15 give scale 0 and L = 0.
+    """
+    n = x.shape[0]
+    mx, amax = first_absmax(x, 0)
+    zero = amax < GROUP_MAX_EPS
+    w = x * x
+    wx = w * x
+
+    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        l = _ni_clamp(iscale * x, -nmax, nmax - 1)
+        p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
+        torch.mul(wx, l, out=p[:, 0])      # (w*x)*l
+        torch.mul(w, l, out=p[:, 1])
+        p[:, 1] *= l                        # (w*l)*l
+        s = _seq_sum_rows(p)
+        return l, s[0], s[1]
+
+    l, sumlx, suml2 = sums(fdiv(float(-nmax), mx))
+    L = l + nmax
+    scale = torch.where(suml2 != 0, fdiv(sumlx, suml2), 0.0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        num = f32(nmax + f32(f32(0.1) * step))
+        l, sumlx, suml2 = sums(fdiv(-num, mx))
+        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = torch.where(take, l + nmax, L)
+        scale = torch.where(take, fdiv(sumlx, suml2), scale)
+        best = torch.where(take, scale * sumlx, best)
+    scale = torch.where(zero, 0.0, scale)
+    L = torch.where(zero, 0.0, L)
+    return scale, L
+
+
+def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over many sub-blocks.
+
+    ``x``: float32 [n, S]. Weights are x². Up to 5 coordinate-descent passes; a sub-block
+    stops after the first pass in which nothing changed (masks reproduce C's per-block
+    ``break``). Returns (scale float32 [S], L float32 [n, S] with integers 0..2*nmax-1;
+    all-zero sub-blocks give scale 0 and L = 0).
+    """
+    n = x.shape[0]
+    mx, amax = first_absmax(x, 0)
+    zero = amax < GROUP_MAX_EPS
+    iscale = fdiv(float(-nmax), mx)
+    L = _ni_clamp(iscale * x, -nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
+    torch.mul(wx, L, out=p[:, 0])
+    torch.mul(w, L, out=p[:, 1])
+    p[:, 1] *= L
+    s = _seq_sum_rows(p)
+    sumlx, suml2 = s[0].clone(), s[1].clone()
+    del p, s
+
+    active = ~zero
+    for _ in range(5):
+        changed = torch.zeros_like(active)
+        for i in range(n):
+            xi, wi, wxi, li = x[i], w[i], wx[i], L[i]
+            slx = sumlx - wxi * li
+            sl2 = suml2 - (wi * li) * li
+            new_l = _ni_clamp(fdiv(xi * sl2, slx), -nmax, nmax - 1)
+            slx2 = slx + wxi * new_l
+            sl22 = sl2 + (wi * new_l) * new_l
+            accept = (active & (slx > 0) & (new_l != li) & (sl22 > 0)
+                      & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+            L[i] = torch.where(accept, new_l, li)
+            sumlx = torch.where(accept, slx2, sumlx)
+            suml2 = torch.where(accept, sl22, suml2)
+            changed |= accept
+        active = active & changed
+    scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
+    scale = torch.where(zero, 0.0, scale)
+    L = torch.where(zero, 0.0, L + nmax)
+    return scale, L
+
+
+def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
+                     nstep: int, use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qkx2_quants`` over many sub-blocks (affine scale + min search).
+
+    ``x``, ``w``: float32 [n, S] (values and weights). Tries ``nstep + 1`` inverse scales
+    ``(rmin + rdelta*k + nmax) / (max - min)``, each followed by a weighted least-squares fit
+    of scale and min, keeping the lowest weighted error (|e| if ``use_mad`` else e²).
+    Returns (scale [S], the_min [S] >= 0, L float32 [n, S] of integers 0..nmax), so that
+    x ≈ scale * L - the_min. Constant sub-blocks (max == min after min is capped at 0)
+    give scale 0, L 0 and the_min = -min.
+    """
+    n = x.shape[0]
+    mn = x.amin(0)
+    mx = x.amax(0)
+    wx = w * x
+    sum_w = w[0].clone()
+    sum_x = wx[0].clone()  # sum_w * x[0] with sum_w = w[0]
+    for i in range(1, n):
+        sum_w += w[i]
+        sum_x += wx[i]
+    mn = torch.where(mn > 0, 0.0, mn)
+    degenerate = mx == mn
+    min0 = mn
+
+    def error(scale: torch.Tensor, mn: torch.Tensor, La: torch.Tensor) -> torch.Tensor:
+        diff = scale * La
+        diff += mn
+        diff -= x
+        if use_mad:
+            diff.abs_()
+        else:
+            diff *= diff
+        diff *= w
+        return _seq_sum_rows(diff)
+
+    iscale = fdiv(float(nmax), mx - mn)
+    scale = fdiv(1.0, iscale)
+    L = _ni_clamp(iscale * (x - mn), 0, nmax)
+    best = error(scale, mn, L)
+    p = torch.empty((n, 3) + x.shape[1:], dtype=x.dtype, device=x.device)
+    for k in range(nstep + 1):
+        # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
+        num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
+        iscale = fdiv(num, mx - mn)
+        La = _ni_clamp(iscale * (x - mn), 0, nmax)
+        wl = p[:, 0]
+        torch.mul(w, La, out=wl)            # w*l
+        torch.mul(wl, La, out=p[:, 1])      # (w*l)*l
+        torch.mul(wl, x, out=p[:, 2])       # (w*l)*x
+        s = _seq_sum_rows(p)
+        sum_l, sum_l2, sum_xl = s[0], s[1], s[2]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = fdiv(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = fdiv(sum_l2 * sum_x - sum_l * sum_xl, D)
+        pos = this_min > 0
+        this_min = torch.where(pos, 0.0, this_min)
+        this_scale = torch.where(pos, fdiv(sum_xl, sum_l2), this_scale)
+        cur = error(this_scale, this_min, La)
+        take = (D > 0) & (cur < best)
+        L = torch.where(take, La, L)
+        best = torch.where(take, cur, best)
+        scale = torch.where(take, this_scale, scale)
+        mn = torch.where(take, this_min, mn)
+    scale = torch.where(degenerate, 0.0, scale)
+    the_min = -torch.where(degenerate, min0, mn)
+    L = torch.where(degenerate, 0.0, L)
+    return scale, the_min, L
+
+
+# ============================================================================ Q2_K
+
+def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q2_K_ref``: float32 [nb, 256] -> uint8 [nb, 84].
+
+    16 sub-blocks of 16: make_qkx2_quants(nmax 3, w = |x|, rmin -0.5, rdelta 0.1, 15 steps,
+    MAD); 4-bit scales and mins relative to fp16 d = max_scale/15, dmin = max_min/15; then
+    requantization with the fp16-rounded d/dmin. Layout: scales[16], qs[64], d, dmin.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, the_min, L = make_qkx2_quants(xs, xs.abs(), 3, -0.5, 0.1, 15, True)
+    scale = scale.reshape(nb, 16)
+    the_min = the_min.reshape(nb, 16)
+    max_scale = _positive_max(scale).unsqueeze(1)
+    max_min = _positive_max(the_min).unsqueeze(1)
+
+    has_s = max_scale > 0
+    ls = torch.where(has_s, nearest_int(fdiv(15.0, max_scale) * scale), 0)
+    d = torch.where(has_s, fdiv(max_scale, 15.0), 0.0)
+    has_m = max_min > 0
+    lm = torch.where(has_m, nearest_int(fdiv(15.0, max_min) * the_min), 0)
+    dmin = torch.where(has_m, fdiv(max_min, 15.0), 0.0)
+    sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j]
+
+    # requantize with the stored (fp16) super-block scales
+    dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
+    Lr = _ni_clamp(fdiv(xs + mj, dj.expand_as(xs)), 0, 3)
+    L = torch.where(dj != 0, Lr, L)
+
+    Lb = _blocks_first(L, nb).to(torch.int32)
+    return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
+
+
+def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q2_K``: uint8 [nb, 84] -> float32 [nb, 256],
+    ``(d * (sc & 15)) * q - dmin * (sc >> 4)`` per sub-block of 16."""
+    nb = b.shape[0]
+    sc = b[:, 0:16].to(torch.int32)
+    q = _unpack_2bit(b[:, 16:80]).to(torch.float32).reshape(nb, 16, 16)
+    d = bytes_fp16(b[:, 80:82])
+    dmin = bytes_fp16(b[:, 82:84])
+    dl = (d * (sc & 0xF).to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * (sc >> 4).to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+# ============================================================================ Q3_K
+
+def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q3_K_ref``: float32 [nb, 256] -> uint8 [nb, 110].
+
+    16 sub-blocks of 16: make_q3_quants(nmax 4, rmse); 6-bit signed scales relative to
+    d = fp16(max_scale / -32) (max_scale: the sub-block scale of largest magnitude, first on
+    ties); requantization with fp16 d. Layout: hmask[32], qs[64], scales[12], d.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, L = make_q3_quants(xs, 4)
+    scale = scale.reshape(nb, 16)
+    max_scale, _ = first_absmax(scale, 1)
+    max_scale = max_scale.unsqueeze(1)
+    nz = max_scale != 0
+    iscale = fdiv(-32.0, max_scale)
+    l = (to_int8(nearest_int(iscale * scale)).clamp_(-32, 31) + 32)
+    l = torch.where(nz, l, 0)
+    lo = l & 0xF
+    hi = (l >> 4).reshape(nb, 4, 4)    # [group j//4, j%4]
+    sc_hi = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    scales = torch.cat([lo[:, :8] | (lo[:, 8:] << 4), sc_hi], dim=1)
+    d = torch.where(nz, fdiv(1.0, iscale), 0.0)
+
+    # requantize: sc = stored 6-bit scale - 32 (-32 when the scales are all zero)
+    dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
+    Lr = _ni_clamp(fdiv(xs, dj.expand_as(xs)), -4, 3) + 4
+    L = torch.where(dj != 0, Lr, L)
+
+    Lb = _blocks_first(L, nb).to(torch.int32)
+    high = Lb > 3
+    Lb = torch.where(high, Lb - 4, Lb)
+    hb = high.to(torch.int32).reshape(nb, 8, 32)
+    shifts = torch.arange(8, device=x.device, dtype=torch.int32).reshape(1, 8, 1)
+    hmask = (hb << shifts).sum(1, dtype=torch.int32)
+    return torch.cat([hmask.to(torch.uint8), _pack_2bit(Lb), (scales & 0xFF).to(torch.uint8),
+                      fp16_bytes(d)], dim=1)
+
+
+def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q3_K``: uint8 [nb, 110] -> float32 [nb, 256],
+    ``(d * (sc - 32)) * (q - (hmask bit ? 0 : 4))`` per sub-block of 16."""
+    nb = b.shape[0]
+    hm = b[:, 0:32].to(torch.int32)
+    q = _unpack_2bit(b[:, 32:96])
+    s = b[:, 96:108].to(torch.int32)
+    d = bytes_fp16(b[:, 108:110])
+    shifts = torch.arange(8, device=b.device, dtype=torch.int32).reshape(1, 8, 1)
+    hbit = ((hm.unsqueeze(1) >> shifts) & 1).reshape(nb, QK_K)
+    q = (q - ((1 - hbit) << 2)).to(torch.float32).reshape(nb, 16, 16)
+    lo = torch.cat([s[:, :8] & 0xF, s[:, :8] >> 4], dim=1)
+    sh = torch.arange(0, 8, 2, device=b.device, dtype=torch.int32).reshape(1, 4, 1)
+    hi = ((s[:, 8:12].unsqueeze(1) >> sh) & 3).reshape(nb, 16)
+    sc = (lo | (hi << 4)) - 32
+    dl = (d * sc.to(torch.float32)).unsqueeze(-1)
+    return (dl * q).reshape(nb, QK_K)
+
+
+# ============================================================================ Q4_K / Q5_K
+
+def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
+    """Shared part of quantize_row_q4_K_ref / q5_K_ref: sub-block fits, 6-bit scales/mins,
+    fp16 d/dmin and the requantized L (int32 [nb, 256], 0..nmax)."""
+    nb = x.shape[0]
+    xs = _positions_first(x, 32)
+    sum_x2 = _seq_sum_rows(xs * xs)
+    av_x = sqrtf(fdiv(sum_x2, 32.0))
+    w = xs.abs()
+    w += av_x
+    scale, the_min, L = make_qkx2_quants(xs, w, nmax, rmin, 0.1, nstep, False)
+    del w
+    scale = scale.reshape(nb, 8)
+    the_min = the_min.reshape(nb, 8)
+    max_scale = _positive_max(scale).unsqueeze(1)
+    max_min = _positive_max(the_min).unsqueeze(1)
+    inv_scale = torch.where(max_scale > 0, fdiv(63.0, max_scale), 0.0)
+    inv_min = torch.where(max_min > 0, fdiv(63.0, max_min), 0.0)
+    ls = (nearest_int(inv_scale * scale) & 0xFF).clamp_max_(63)
+    lm = (nearest_int(inv_min * the_min) & 0xFF).clamp_max_(63)
+    d = fdiv(max_scale, 63.0)
+    dmin = fdiv(max_min, 63.0)
+
+    dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
+    Lr = _ni_clamp(fdiv(xs + mj, dj.expand_as(xs)), 0, nmax)
+    L = torch.where(dj != 0, Lr, L)
+    Lb = _blocks_first(L, nb).to(torch.int32)
+    head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), _pack_scale_min_k4(ls, lm)], dim=1)
+    return head, Lb
+
+
+def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_K_ref``: float32 [nb, 256] -> uint8 [nb, 144].
+
+    8 sub-blocks of 32: weights sqrt(mean x²) + |x|, make_qkx2_quants(nmax 15, rmin -1,
+    rdelta 0.1, 20 steps, MSE); 6-bit scales/mins relative to fp16 d = max_scale/63 and
+    dmin = max_min/63; requantization with fp16 d/dmin. Layout: d, dmin, scales[12], qs[128].
+    """
+    head, L = _k4_scales(x, 15, -1.0, 20)
+    q = L.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(-1, 128)
+    return torch.cat([head, qs], dim=1)
+
+
+def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q4_K``: uint8 [nb, 144] -> float32 [nb, 256],
+    ``(d * sc) * q - dmin * m`` per sub-block of 32."""
+    nb = b.shape[0]
+    d = bytes_fp16(b[:, 0:2])
+    dmin = bytes_fp16(b[:, 2:4])
+    ls, lm = _unpack_scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:144].to(torch.int32).reshape(nb, 4, 1, 32)
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    q = ((qs >> sh) & 0xF).to(torch.float32).reshape(nb, 8, 32)
+    dl = (d * ls.to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * lm.to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_K_ref``: float32 [nb, 256] -> uint8 [nb, 176].
+
+    As Q4_K with make_qkx2_quants(nmax 31, rmin -0.5, rdelta 0.1, 15 steps, MSE); the 5th
+    bit goes to qh. Layout: d, dmin, scales[12], qh[32], qs[128].
+    """
+    head, L = _k4_scales(x, 31, -0.5, 15)
+    q = L.reshape(-1, 4, 2, 32)
+    a, bb = q[:, :, 0], q[:, :, 1]
+    ha, hb = a > 15, bb > 15
+    a = torch.where(ha, a - 16, a)
+    bb = torch.where(hb, bb - 16, bb)
+    qs = (a | (bb << 4)).to(torch.uint8).reshape(-1, 128)
+    shifts = torch.arange(0, 8, 2, device=x.device, dtype=torch.int32).reshape(1, 4, 1)
+    qh = ((ha.to(torch.int32) << shifts) | (hb.to(torch.int32) << (shifts + 1))).sum(1, dtype=torch.int32)
+    return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
+
+
+def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q5_K``: uint8 [nb, 176] -> float32 [nb, 256],
+    ``(d * sc) * q - dmin * m`` per sub-block of 32, q with its qh bit."""
+    nb = b.shape[0]
+    d = bytes_fp16(b[:, 0:2])
+    dmin = bytes_fp16(b[:, 2:4])
+    ls, lm = _unpack_scale_min_k4(b[:, 4:16])
+    qh = b[:, 16:48].to(torch.int32).reshape(nb, 1, 32)
+    qs = b[:, 48:176].to(torch.int32).reshape(nb, 4, 1, 32)
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    lo = ((qs >> sh) & 0xF).reshape(nb, 8, 32)
+    hsh = torch.arange(8, device=b.device, dtype=torch.int32).reshape(1, 8, 1)
+    hi = ((qh >> hsh) & 1) << 4
+    q = (lo | hi).to(torch.float32)
+    dl = (d * ls.to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * lm.to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+# ============================================================================ Q6_K
+
+def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q6_K_ref``: float32 [nb, 256] -> uint8 [nb, 210].
+
+    16 sub-blocks of 16: make_qx_quants(nmax 32, rmse_type 1); int8 scales relative to
+    d = fp16(max_scale / -128); requantization with fp16 d. Blocks whose largest sub-block
+    scale is below 1e-15 are all zero bytes. Layout: ql[128], qh[64], int8 scales[16], d.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, L = make_qx_quants(xs, 32)
+    scale = scale.reshape(nb, 16)
+    max_scale, max_abs = first_absmax(scale, 1)
+    zero = (max_abs < GROUP_MAX_EPS).unsqueeze(1)
+    iscale = fdiv(-128.0, max_scale).unsqueeze(1)
+    d = fdiv(1.0, iscale)
+    sc = to_int8(nearest_int(iscale * scale).clamp_max_(127))
+
+    dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
+    Lr = _ni_clamp(fdiv(xs, dj.expand_as(xs)), -32, 31) + 32
+    L = torch.where(dj != 0, Lr, L)
+    Lb = _blocks_first(L, nb).to(torch.int32).reshape(nb, 2, 4, 32)
+    ql = torch.cat([(Lb[:, :, 0] & 0xF) | ((Lb[:, :, 2] & 0xF) << 4),
+                    (Lb[:, :, 1] & 0xF) | ((Lb[:, :, 3] & 0xF) << 4)], dim=2).reshape(nb, 128)
+    hi = Lb >> 4
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    out = torch.cat([(ql & 0xFF).to(torch.uint8), (qh & 0xFF).to(torch.uint8),
+                     (sc & 0xFF).to(torch.uint8), fp16_bytes(d)], dim=1)
+    return out.masked_fill_(zero, 0)
+
+
+def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q6_K``: uint8 [nb, 210] -> float32 [nb, 256],
+    ``(d * sc) * (q - 32)`` per sub-block of 16."""
+    nb = b.shape[0]
+    ql = b[:, 0:128].to(torch.int32).reshape(nb, 2, 1, 64)
+    qh = b[:, 128:192].to(torch.int32).reshape(nb, 2, 1, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = bytes_fp16(b[:, 208:210])
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    lo = ((ql >> sh) & 0xF).reshape(nb, 2, 4, 32)  # [h, k = 2*nibble + half, l]
+    hsh = torch.arange(0, 8, 2, device=b.device, dtype=torch.int32).reshape(1, 1, 4, 1)
+    hi = (qh >> hsh) & 3                                        # [h, k, l]
+    q = ((lo | (hi << 4)) - 32).to(torch.float32).reshape(nb, 16, 16)
+    dl = (d * sc).unsqueeze(-1)
+    return (dl * q).reshape(nb, QK_K)
+
+
+Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k))
+Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k))
+Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k))
+Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k))
+Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k))

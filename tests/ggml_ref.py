@@ -1,0 +1,114 @@
+"""ctypes harness over llama.cpp's own ggml (``libggml-base.so`` shipped in the installed
+``llama_cpp`` package, llama-cpp-python 0.3.36 = llama.cpp 0c1e57098): reference bytes for
+the codec tests.
+
+* :func:`ref_quantize` calls ``ggml_quantize_chunk(type, src, dst, 0, nrows, n_per_row,
+  NULL)`` (no imatrix: the ``quantize_row_<type>_ref`` path for the types tested here).
+* :func:`ref_dequantize` calls ``ggml_get_type_traits(type)->to_float``
+  (``dequantize_row_<type>``).
+* :func:`available` tells whether the library can be loaded (tests skip otherwise).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from functools import lru_cache
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class _TypeTraits(ctypes.Structure):
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
+def lib_dir() -> str:
+    """Directory of the shared libraries inside the installed ``llama_cpp`` package."""
+    import llama_cpp
+
+    return os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(os.path.join(lib_dir(), "libggml-base.so"))
+    lib.ggml_init.argtypes = [_InitParams]
+    lib.ggml_init.restype = ctypes.c_void_p
+    lib.ggml_free.argtypes = [ctypes.c_void_p]
+    lib.ggml_free.restype = None
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
+    # ggml_init sets up ggml's global state (fp16 tables in table-based builds); once is enough
+    ctx = lib.ggml_init(_InitParams(1 << 16, None, True))
+    if not ctx:
+        raise RuntimeError("ggml_init failed")
+    lib.ggml_free(ctx)
+    return lib
+
+
+def available() -> bool:
+    """True when llama.cpp's libggml-base can be loaded."""
+    try:
+        _lib()
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def _type(type_name: str) -> tuple[int, int, int]:
+    t = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[t]
+    return int(t), block, size
+
+
+def ref_quantize(x: np.ndarray, type_name: str, timing: dict | None = None) -> np.ndarray:
+    """llama.cpp ``ggml_quantize_chunk`` without imatrix.
+
+    ``x``: float32 [rows, n] (n a multiple of the block size). Returns uint8
+    [rows, n // block * type_size]. If ``timing`` is a dict, the seconds spent in the C call
+    are stored under ``"seconds"``.
+    """
+    tid, block, size = _type(type_name)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x.shape
+    assert n % block == 0, (n, block)
+    out = np.zeros((rows, n // block * size), dtype=np.uint8)
+    lib = _lib()
+    t0 = time.perf_counter()
+    written = lib.ggml_quantize_chunk(tid, x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    if timing is not None:
+        timing["seconds"] = time.perf_counter() - t0
+    assert written == out.nbytes, (written, out.nbytes)
+    return out
+
+
+def ref_dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """llama.cpp ``ggml_get_type_traits(type)->to_float`` (``dequantize_row_<type>``).
+
+    ``raw``: uint8 [rows, row_bytes]; returns float32 [rows, row_bytes // type_size * block].
+    """
+    tid, block, size = _type(type_name)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows, nbytes = raw.shape
+    assert nbytes % size == 0
+    n = nbytes // size * block
+    out = np.zeros((rows, n), dtype=np.float32)
+    traits = _lib().ggml_get_type_traits(tid).contents
+    assert traits.type_size == size and traits.blck_size == block
+    fn = _TO_FLOAT(traits.to_float)
+    fn(raw.ctypes.data, out.ctypes.data, rows * n)
+    return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sqrtf, to_int8
+from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, map_block_slices, nearest_int, sqrtf, to_int8
 
 QK_K = 256
 GROUP_MAX_EPS = f32(1e-15)
@@ -56,9 +56,9 @@ def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
 
 
 def _positive_max(s: torch.Tensor) -> torch.Tensor:
-    """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]."""
-    m = s.amax(-1)
-    return torch.where(m > 0, m, 0.0)
+    """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]
+    (+0.0 when nothing is > 0; NaN ignored)."""
+    return torch.where(s > 0, s, 0.0).amax(-1)
 
 
 def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
@@ -97,43 +97,61 @@ def _unpack_scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ============================================================================ shared routines
 
+def _ni_clamp_(v: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = MAX(lo, MIN(hi, nearest_int(v)))`` as float32, in place: ``v`` (a float32
+    workspace) is clobbered, ``out`` float32 of the same shape is returned."""
+    v.add_(12582912.0)
+    vi = v.view(torch.int32)
+    vi.bitwise_and_(0x7FFFFF).sub_(0x400000).clamp_(lo, hi)
+    return out.copy_(vi)
+
+
 def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
 
-    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``). Weights are x². Returns
-    (scale float32 [S], L float32 [n, S] holding integers 0..2*nmax-1). Sub-blocks whose
-    largest |x| is below 1e-15 give scale 0 and L = 0.
+    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``). Weights are x². Tries
+    the inverse scale -nmax/max, then -(nmax + 0.1*t)/max for t = -9..9, keeping the best
+    weighted least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding
+    integers 0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
     """
     n = x.shape[0]
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
     w = x * x
     wx = w * x
+    T = torch.empty_like(x)
+    la = torch.empty_like(x)
+    p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
 
-    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        l = _ni_clamp(iscale * x, -nmax, nmax - 1)
-        p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
-        torch.mul(wx, l, out=p[:, 0])      # (w*x)*l
-        torch.mul(w, l, out=p[:, 1])
-        p[:, 1] *= l                        # (w*l)*l
+    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.mul(x, iscale, out=T)         # iscale*x
+        _ni_clamp_(T, -nmax, nmax - 1, la)
+        torch.mul(wx, la, out=p[:, 0])      # (w*x)*l
+        torch.mul(w, la, out=p[:, 1])
+        p[:, 1].mul_(la)                    # (w*l)*l
         s = _seq_sum_rows(p)
-        return l, s[0], s[1]
+        return s[0], s[1]
 
-    l, sumlx, suml2 = sums(fdiv(float(-nmax), mx))
-    L = l + nmax
+    sel = fdiv(float(-nmax), mx)            # the inverse scale whose L is kept
+    sumlx, suml2 = sums(sel)
     scale = torch.where(suml2 != 0, fdiv(sumlx, suml2), 0.0)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
+        # C: -(nmax + 0.1f*is) / max
         num = f32(nmax + f32(f32(0.1) * step))
-        l, sumlx, suml2 = sums(fdiv(-num, mx))
+        iscale = fdiv(-num, mx)
+        sumlx, suml2 = sums(iscale)
         take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = torch.where(take, l + nmax, L)
+        sel = torch.where(take, iscale, sel)
         scale = torch.where(take, fdiv(sumlx, suml2), scale)
         best = torch.where(take, scale * sumlx, best)
+    # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
+    torch.mul(x, sel, out=T)
+    L = _ni_clamp_(T, -nmax, nmax - 1, la)
     scale = torch.where(zero, 0.0, scale)
-    L = torch.where(zero, 0.0, L)
+    L.add_(nmax).masked_fill_(zero, 0.0)
     return scale, L
 
 
@@ -148,38 +166,67 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     n = x.shape[0]
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
-    iscale = fdiv(float(-nmax), mx)
-    L = _ni_clamp(iscale * x, -nmax, nmax - 1)
+    T = x * fdiv(float(-nmax), mx)
+    L = torch.empty_like(x)
+    _ni_clamp_(T, -nmax, nmax - 1, L)
     w = x * x
     wx = w * x
     p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
     torch.mul(wx, L, out=p[:, 0])
     torch.mul(w, L, out=p[:, 1])
-    p[:, 1] *= L
+    p[:, 1].mul_(L)
     s = _seq_sum_rows(p)
-    sumlx, suml2 = s[0].clone(), s[1].clone()
-    del p, s
+    sumlx, suml2 = s[0], s[1]
+    del p, T
 
-    active = ~zero
+    # Coordinate descent on a shrinking working set: the sub-blocks that changed something
+    # in the previous pass (C's per-block ``if (!n_changed) break``). Gathering them costs a
+    # host sync per pass but most sub-blocks stop after one or two passes.
+    sumlx, suml2 = sumlx.clone(), suml2.clone()
+    idx = torch.nonzero(~zero).squeeze(1)
+    xa, wa, wxa, La = x[:, idx], w[:, idx], wx[:, idx], L[:, idx]
+    slx_a, sl2_a = sumlx[idx], suml2[idx]
     for _ in range(5):
-        changed = torch.zeros_like(active)
+        if idx.numel() == 0:
+            break
+        changed = torch.zeros_like(slx_a, dtype=torch.bool)
+        t = torch.empty_like(slx_a)
+        new_l = torch.empty_like(slx_a)
         for i in range(n):
-            xi, wi, wxi, li = x[i], w[i], wx[i], L[i]
-            slx = sumlx - wxi * li
-            sl2 = suml2 - (wi * li) * li
-            new_l = _ni_clamp(fdiv(xi * sl2, slx), -nmax, nmax - 1)
-            slx2 = slx + wxi * new_l
-            sl22 = sl2 + (wi * new_l) * new_l
-            accept = (active & (slx > 0) & (new_l != li) & (sl22 > 0)
-                      & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
-            L[i] = torch.where(accept, new_l, li)
-            sumlx = torch.where(accept, slx2, sumlx)
-            suml2 = torch.where(accept, sl22, suml2)
+            xi, wi, wxi, li = xa[i], wa[i], wxa[i], La[i]
+            slx = slx_a - wxi * li
+            wl = wi * li
+            sl2 = sl2_a - wl * li
+            torch.mul(xi, sl2, out=t)
+            t.div_(slx)                                 # x*sl2/slx
+            _ni_clamp_(t, -nmax, nmax - 1, new_l)
+            slx2 = wxi * new_l
+            slx2 += slx
+            wl = wi * new_l
+            wl *= new_l
+            sl22 = sl2 + wl
+            lhs = slx2 * slx2
+            lhs *= sl2_a
+            rhs = slx_a * slx_a
+            rhs *= sl22
+            accept = lhs > rhs                          # (s*s)*Sl2 > (Slx*Slx)*t
+            accept &= slx > 0
+            accept &= new_l != li
+            accept &= sl22 > 0
+            torch.where(accept, new_l, li, out=li)
+            slx_a = torch.where(accept, slx2, slx_a)
+            sl2_a = torch.where(accept, sl22, sl2_a)
             changed |= accept
-        active = active & changed
+        L.index_copy_(1, idx, La)
+        sumlx.index_copy_(0, idx, slx_a)
+        suml2.index_copy_(0, idx, sl2_a)
+        keep = torch.nonzero(changed).squeeze(1)
+        idx = idx[keep]
+        xa, wa, wxa, La = xa[:, keep], wa[:, keep], wxa[:, keep], La[:, keep]
+        slx_a, sl2_a = slx_a[keep], sl2_a[keep]
     scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
-    scale = torch.where(zero, 0.0, scale)
-    L = torch.where(zero, 0.0, L + nmax)
+    scale.masked_fill_(zero, 0.0)
+    L.add_(nmax).masked_fill_(zero, 0.0)
     return scale, L
 
 
@@ -189,48 +236,57 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
 
     ``x``, ``w``: float32 [n, S] (values and weights). Tries ``nstep + 1`` inverse scales
     ``(rmin + rdelta*k + nmax) / (max - min)``, each followed by a weighted least-squares fit
-    of scale and min, keeping the lowest weighted error (|e| if ``use_mad`` else e²).
-    Returns (scale [S], the_min [S] >= 0, L float32 [n, S] of integers 0..nmax), so that
-    x ≈ scale * L - the_min. Constant sub-blocks (max == min after min is capped at 0)
-    give scale 0, L 0 and the_min = -min.
+    of scale and min, keeping the lowest weighted error (|e| if ``use_mad`` else e²); as in
+    C, an accepted fit's min is used by the following steps. Returns (scale [S],
+    the_min [S] >= 0, L float32 [n, S] of integers 0..nmax), so that x ≈ scale*L - the_min.
+    Constant sub-blocks (max == min after min is capped at 0) give scale 0, L 0 and
+    the_min = -min.
     """
     n = x.shape[0]
     mn = x.amin(0)
     mx = x.amax(0)
     wx = w * x
-    sum_w = w[0].clone()
-    sum_x = wx[0].clone()  # sum_w * x[0] with sum_w = w[0]
-    for i in range(1, n):
-        sum_w += w[i]
-        sum_x += wx[i]
+    sum_w = _seq_sum_rows(w)
+    sum_x = _seq_sum_rows(wx)               # starts with sum_w*x[0] = w[0]*x[0]
+    del wx
     mn = torch.where(mn > 0, 0.0, mn)
     degenerate = mx == mn
     min0 = mn
 
-    def error(scale: torch.Tensor, mn: torch.Tensor, La: torch.Tensor) -> torch.Tensor:
-        diff = scale * La
-        diff += mn
-        diff -= x
+    T = torch.empty_like(x)
+    E = torch.empty_like(x)
+    p = torch.empty((n, 3) + x.shape[1:], dtype=x.dtype, device=x.device)
+
+    def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.sub(x, mn, out=T)
+        T.mul_(iscale)                      # iscale*(x - min)
+        return _ni_clamp_(T, 0, nmax, out)
+
+    def error(scale: torch.Tensor, mn: torch.Tensor, la: torch.Tensor) -> torch.Tensor:
+        torch.mul(la, scale, out=E)         # scale*L
+        E.add_(mn)                          # + min
+        E.sub_(x)                           # - x
         if use_mad:
-            diff.abs_()
+            E.abs_()
         else:
-            diff *= diff
-        diff *= w
-        return _seq_sum_rows(diff)
+            E.mul_(E)
+        E.mul_(w)
+        return _seq_sum_rows(E)
 
     iscale = fdiv(float(nmax), mx - mn)
     scale = fdiv(1.0, iscale)
-    L = _ni_clamp(iscale * (x - mn), 0, nmax)
-    best = error(scale, mn, L)
-    p = torch.empty((n, 3) + x.shape[1:], dtype=x.dtype, device=x.device)
+    la = torch.empty_like(x)
+    best = error(scale, mn, quant(iscale, mn, la))
+    # the L kept is recomputed at the end from the (inverse scale, shift) that produced it
+    sel_iscale, sel_shift = iscale, mn
+    wl = p[:, 0]
     for k in range(nstep + 1):
         # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
         num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
         iscale = fdiv(num, mx - mn)
-        La = _ni_clamp(iscale * (x - mn), 0, nmax)
-        wl = p[:, 0]
-        torch.mul(w, La, out=wl)            # w*l
-        torch.mul(wl, La, out=p[:, 1])      # (w*l)*l
+        quant(iscale, mn, la)
+        torch.mul(w, la, out=wl)            # w*l
+        torch.mul(wl, la, out=p[:, 1])      # (w*l)*l
         torch.mul(wl, x, out=p[:, 2])       # (w*l)*x
         s = _seq_sum_rows(p)
         sum_l, sum_l2, sum_xl = s[0], s[1], s[2]
@@ -240,15 +296,17 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         pos = this_min > 0
         this_min = torch.where(pos, 0.0, this_min)
         this_scale = torch.where(pos, fdiv(sum_xl, sum_l2), this_scale)
-        cur = error(this_scale, this_min, La)
+        cur = error(this_scale, this_min, la)
         take = (D > 0) & (cur < best)
-        L = torch.where(take, La, L)
+        sel_iscale = torch.where(take, iscale, sel_iscale)
+        sel_shift = torch.where(take, mn, sel_shift)
         best = torch.where(take, cur, best)
         scale = torch.where(take, this_scale, scale)
         mn = torch.where(take, this_min, mn)
+    L = quant(sel_iscale, sel_shift, la)
     scale = torch.where(degenerate, 0.0, scale)
     the_min = -torch.where(degenerate, min0, mn)
-    L = torch.where(degenerate, 0.0, L)
+    L.masked_fill_(degenerate, 0.0)
     return scale, the_min, L
 
 
@@ -506,8 +564,8 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(nb, QK_K)
 
 
-Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k))
-Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k))
-Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k))
-Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k))
-Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k))
+Q2_K = register(GGMLType("Q2_K", QK_K, 84, lambda x: map_block_slices(quantize_q2_k, x), dequantize_q2_k))
+Q3_K = register(GGMLType("Q3_K", QK_K, 110, lambda x: map_block_slices(quantize_q3_k, x), dequantize_q3_k))
+Q4_K = register(GGMLType("Q4_K", QK_K, 144, lambda x: map_block_slices(quantize_q4_k, x), dequantize_q4_k))
+Q5_K = register(GGMLType("Q5_K", QK_K, 176, lambda x: map_block_slices(quantize_q5_k, x), dequantize_q5_k))
+Q6_K = register(GGMLType("Q6_K", QK_K, 210, lambda x: map_block_slices(quantize_q6_k, x), dequantize_q6_k))

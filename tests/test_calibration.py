@@ -1,0 +1,336 @@
+"""Calibration layer: the fixed wiki split, token windows, bad-input errors, the
+layer-streaming engine (against a plain transformers forward) and the captured linear-input
+statistics (against a direct computation from forward hooks on the plain model)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import assets
+import synth
+from calibration import data, engine, stats
+from quantize.errors import InputError
+
+ARCHS = ("llama", "qwen2", "qwen3")
+ROWS, SEQLEN = 3, 40
+
+
+@pytest.fixture(scope="session")
+def cal_dir() -> Path:
+    """exllamav2 0.3.2's standard_cal_data (fetched once into the cache)."""
+    return assets.standard_cal_data()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_dir):
+    """3-layer models (fp16 on disk) for each arch, a sharded llama, and a qwen2 with
+    sliding-window layers (layer_types: full, sliding, sliding)."""
+    root = tmp_path_factory.mktemp("calib_models")
+    out = {a: synth.make_model(root / a, a, smollm2_dir, num_hidden_layers=3) for a in ARCHS}
+    # smaller vocab (random tokens below 8192) to keep these two cheap
+    out["llama_sharded"] = synth.make_model(root / "llama_sharded", "llama", smollm2_dir,
+                                            num_hidden_layers=3, seed=1, vocab_size=8192,
+                                            max_shard_size="3MB")
+    out["qwen2_sliding"] = synth.make_model(root / "qwen2_sliding", "qwen2", smollm2_dir,
+                                            num_hidden_layers=3, seed=2, vocab_size=8192,
+                                            use_sliding_window=True, sliding_window=16,
+                                            max_window_layers=1)
+    return out
+
+
+def _tokens(rows=ROWS, seqlen=SEQLEN, seed=0, vocab=8192):
+    return torch.randint(0, vocab, (rows, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(model_dir, tokens, attn="sdpa", capture_linears=False):
+    """Plain transformers forward in float32: per-layer outputs, final normed hidden, logits,
+    and (optionally) the float64 inputs of every decoder-layer linear, [tokens, K]."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    layer_out, lin_in, handles = [], {}, []
+    for layer in ref.model.layers:
+        handles.append(layer.register_forward_hook(lambda m, a, o: layer_out.append(o[0] if isinstance(o, tuple) else o)))
+    if capture_linears:
+        for name, m in ref.named_modules():
+            if isinstance(m, torch.nn.Linear) and ".layers." in name:
+                handles.append(m.register_forward_hook(
+                    lambda mod, a, o, name=name: lin_in.setdefault(name, []).append(
+                        a[0].detach().reshape(-1, a[0].shape[-1]).double())))
+    with torch.no_grad():
+        r = ref(tokens, output_hidden_states=True)
+    for h in handles:
+        h.remove()
+    return dict(layers=layer_out, normed=r.hidden_states[-1], logits=r.logits,
+                lin_in={k: torch.cat(v) for k, v in lin_in.items()})
+
+
+def _close(actual, expected, rtol=1e-5):
+    """|a − e| ≤ rtol·max|e| elementwise (relative to the tensor's scale)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=rtol * scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming equals the whole model
+
+@pytest.mark.parametrize("name", ARCHS + ("llama_sharded", "qwen2_sliding"))
+def test_streaming_equals_transformers(tiny, name):
+    toks = _tokens()
+    ref = _reference(tiny[name], toks)
+    sm = engine.StreamingModel(tiny[name], "cpu", torch.float32)
+    seen = []
+    h = engine.run(sm, toks, batch_size=2, hidden_device="cpu", progress=False,
+                   on_layer=lambda i, layer, x, y, ctx: seen.append(y.clone()))
+    assert len(seen) == sm.num_layers == 3
+    for i, (y, y_ref) in enumerate(zip(seen, ref["layers"])):
+        _close(y, y_ref)
+    _close(h, ref["layers"][-1])
+    _close(sm.final_norm(h), ref["normed"])
+    _close(sm.final_logits(h), ref["logits"])
+
+
+def test_streaming_eager_mask_and_tied_head(tiny):
+    """Eager attention materializes transformers' 4D causal mask (sdpa passes None); qwen2
+    has tied embeddings (no lm_head.weight in the file)."""
+    toks = _tokens(seed=3)
+    ref = _reference(tiny["qwen2"], toks, attn="eager")
+    sm = engine.StreamingModel(tiny["qwen2"], "cpu", torch.float32, attn_implementation="eager")
+    assert sm.attention_mask(0, 2, SEQLEN) is not None
+    from safetensors import safe_open
+    with safe_open(str(tiny["qwen2"] / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    h = engine.run(sm, toks, batch_size=1, progress=False)
+    _close(sm.final_logits(h), ref["logits"])
+
+
+def test_streaming_smollm2_real(smollm2_dir, cal_dir):
+    """The real SmolLM2-135M (fp16 on disk, tied, 30 layers, 576 wide) on wiki tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    toks = data.token_rows(tok, data.calibration_articles(cal_dir)[:20], 2, 32, seed=0)
+    ref = _reference(smollm2_dir, toks, capture_linears=True)
+    sm = engine.StreamingModel(smollm2_dir, "cpu", torch.float32)
+    col = stats.StatsCollector(kinds={"abs", "sq"}, include=("down_proj", "q_proj"))
+    h = engine.run(sm, toks, hooks_factory=col, progress=False)
+    _close(sm.final_logits(h), ref["logits"])
+    assert len(col.stats) == 2 * 30
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
+        x = ref["lin_in"][name]
+        _close(col[name].abs_mean(), x.abs().mean(0))
+        _close(col[name].imatrix()[0], x.square().sum(0))
+        assert col[name].imatrix()[1] == x.shape[0] == 2 * 32
+
+
+def test_on_layer_output_feeds_next_layer(tiny):
+    """What on_layer returns is the next layer's input; ctx.forward reruns the layer."""
+    toks = _tokens(seed=4)
+    sm = engine.StreamingModel(tiny["llama"], "cpu", torch.float32)
+    inputs, replaced = [], []
+
+    def on_layer(i, layer, x, y, ctx):
+        inputs.append(x.clone())
+        torch.testing.assert_close(ctx.forward(layer, x), y, rtol=0, atol=0)
+        attn = ctx.forward(layer.self_attn, layer.input_layernorm(x), what="self_attn")
+        assert attn.shape == x.shape
+        new = 0.5 * y
+        replaced.append(new)
+        return new
+
+    h = engine.run(sm, toks, on_layer=on_layer, batch_size=2, progress=False)
+    for i in range(1, 3):
+        torch.testing.assert_close(inputs[i], replaced[i - 1], rtol=0, atol=0)
+    torch.testing.assert_close(h, replaced[-1], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Captured statistics equal a direct computation
+
+@pytest.mark.parametrize("name", ("llama", "qwen3"))
+def test_stats_equal_direct(tiny, name):
+    toks = _tokens(rows=4, seed=5)
+    ref = _reference(tiny[name], toks, capture_linears=True)
+    sm = engine.StreamingModel(tiny[name], "cpu", torch.float32)
+    col = stats.StatsCollector()
+    engine.run(sm, toks, hooks_factory=col, batch_size=3, progress=False)  # batches of 3 + 1
+    assert set(col.stats) == set(ref["lin_in"])
+    n = 4 * SEQLEN
+    for lin, x in ref["lin_in"].items():
+        st = col[lin]
+        assert st.count == x.shape[0] == n
+        _close(st.abs_mean(), x.abs().mean(0))
+        _close(st.sq_mean(), x.square().mean(0))
+        in_sum2, counts = st.imatrix()
+        _close(in_sum2, x.square().sum(0))
+        assert counts == n
+        _close(st.hessian(), 2.0 / n * (x.T @ x))
+        assert st.xtx.device.type == "cpu"
+
+
+def test_stats_accumulate_over_updates():
+    """Two updates equal one update of the concatenation; float64 Hessian option."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 5, 16, generator=g), torch.randn(3, 16, generator=g) * 10
+    st = stats.LinearStats("x", 16, hessian_dtype=torch.float64)
+    st.update(a)
+    st.update(b)
+    x = torch.cat([a.reshape(-1, 16), b]).double()
+    assert st.count == 38
+    _close(st.abs_mean(), x.abs().mean(0))
+    _close(st.hessian(), 2 / 38 * x.T @ x, rtol=1e-6)
+    only = stats.LinearStats("y", 16, kinds={"abs"})
+    only.update(a)
+    assert only.xtx is None and only.sq_sum is None
+    with pytest.raises(ValueError, match="not captured"):
+        only.hessian()
+
+
+def test_stats_nonfinite_names_the_linear():
+    st = stats.LinearStats("model.layers.7.mlp.down_proj", 4)
+    x = torch.ones(2, 3, 4)
+    x[1, 2, 0] = float("nan")
+    with pytest.raises(InputError, match=r"model\.layers\.7\.mlp\.down_proj.*1 of 24"):
+        st.update(x)
+
+
+def _patched_copy(src: Path, dst: Path, edit) -> Path:
+    """Copy a model dir and rewrite its model.safetensors through ``edit(dict) -> dict``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = edit(load_file(str(dst / "model.safetensors")))
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_engine_bad_checkpoints(tiny, tmp_path):
+    toks = _tokens(rows=2, seqlen=8)
+
+    def inf_norm(sd):
+        sd["model.layers.1.input_layernorm.weight"][3] = float("inf")
+        return sd
+
+    d = _patched_copy(tiny["llama"], tmp_path / "inf", inf_norm)
+    with pytest.raises(InputError, match=r"model\.layers\.1\.self_attn\.q_proj"):
+        engine.run(engine.StreamingModel(d), toks, hooks_factory=stats.StatsCollector(), progress=False)
+    with pytest.raises(InputError, match="decoder layer 1"):  # no hooks: the layer output check
+        engine.run(engine.StreamingModel(d), toks, progress=False)
+
+    def drop(sd):
+        del sd["model.layers.2.mlp.up_proj.weight"]
+        return sd
+
+    d = _patched_copy(tiny["llama"], tmp_path / "missing", drop)
+    with pytest.raises(InputError, match=r"'model\.layers\.2\.mlp\.up_proj\.weight' not found"):
+        engine.run(engine.StreamingModel(d), toks, progress=False)
+
+    def shrink(sd):
+        sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:-1]
+        return sd
+
+    d = _patched_copy(tiny["llama"], tmp_path / "shape", shrink)
+    with pytest.raises(InputError, match=r"up_proj\.weight' has shape \(767, 256\)"):
+        engine.StreamingModel(d).load_layer(0)
+
+    with pytest.raises(InputError, match=r"token ids must lie in \[0, 49152\)"):
+        engine.run(engine.StreamingModel(tiny["llama"]), toks + 49152, progress=False)
+    with pytest.raises(InputError, match="no config.json"):
+        engine.StreamingModel(tmp_path)
+
+
+def test_sharded_index_is_used(tiny):
+    idx = json.loads((tiny["llama_sharded"] / "model.safetensors.index.json").read_text())
+    assert len(set(idx["weight_map"].values())) > 1
+    w = engine.SafetensorsDir(tiny["llama_sharded"])
+    assert set(w.keys()) == set(idx["weight_map"])
+
+
+# --------------------------------------------------------------------------------------------
+# Fixed split, token windows, file loading
+
+def test_wiki_fixed_split(cal_dir):
+    arts = data.wiki_articles(cal_dir)
+    cal, held = data.calibration_articles(cal_dir), data.heldout_articles(cal_dir)
+    assert (len(arts), len(cal), len(held)) == (2349, 1800, 549)
+    assert cal + held == arts
+    assert not set(cal) & set(held)
+    assert arts[0].startswith("2007 European Parliament election in Romania\n")
+    assert not any(a.startswith("<doc") or "</doc>" in a for a in arts)
+    text = data.heldout_text(cal_dir)
+    assert text == "\n\n".join(a.strip() for a in held)
+    assert 0.2e6 < len(text.encode()) < 0.26e6
+
+
+def test_token_rows_deterministic(smollm2_dir, cal_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    texts = data.calibration_articles(cal_dir)[:30]
+    a = data.token_rows(tok, texts, 6, 128, seed=7)
+    b = data.token_rows(tok, texts, 6, 128, seed=7)
+    c = data.token_rows(tok, texts, 6, 128, seed=8)
+    assert a.dtype == torch.long and a.shape == (6, 128)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    stream = data.tokenize_concat(tok, texts)
+    assert int((stream == tok.eos_token_id).sum()) == 30  # one EOS after each document
+    windows = stream[: stream.numel() // 128 * 128].view(-1, 128)
+    for row in a:  # every row is one aligned window of the stream, and all differ
+        assert int((windows == row).all(1).sum()) == 1
+    assert len({tuple(r.tolist()) for r in a}) == 6
+
+
+def test_token_rows_too_short(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    n = data.tokenize_concat(tok, ["Hello world.", "Short."]).numel()
+    with pytest.raises(InputError, match=rf"{n} tokens, 1024 needed \(8 samples x 128 tokens\)"):
+        data.token_rows(tok, ["Hello world.", "Short."], 8, 128)
+    with pytest.raises(InputError, match="0 documents"):
+        data.token_rows(tok, [], 1, 8)
+
+
+def test_load_texts_formats_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    j = tmp_path / "c.jsonl"
+    j.write_text('{"content": "first doc"}\n{"content": "  "}\n{"content": "second doc"}\n')
+    assert data.load_texts(j, field="content", cache_dir=tmp_path / "hf") == ["first doc", "second doc"]
+    with pytest.raises(InputError, match=r"c\.jsonl: no column 'text'; available columns: content"):
+        data.load_texts(j, cache_dir=tmp_path / "hf")
+
+    p = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"body": ["a b c", "d e"], "n": [1, 2]}), p)
+    assert data.load_texts(p, field="body", cache_dir=tmp_path / "hf") == ["a b c", "d e"]
+    with pytest.raises(InputError, match="available columns: body, n"):
+        data.load_texts(p, field="text", cache_dir=tmp_path / "hf")
+    with pytest.raises(InputError, match="'n' holds int values"):
+        data.load_texts(p, field="n", cache_dir=tmp_path / "hf")
+
+    t = tmp_path / "c.txt"
+    t.write_text("para one\nline\n\npara two\n")
+    assert data.load_texts(t, cache_dir=tmp_path / "hf") == ["para one\nline\n\npara two\n"]
+    assert data.load_texts(t, sample_by="paragraph", cache_dir=tmp_path / "hf") == ["para one\nline", "para two\n"]
+
+    e = tmp_path / "empty.txt"
+    e.write_text("")
+    with pytest.raises(InputError, match=r"empty\.txt: calibration file is empty"):
+        data.load_texts(e)
+    w = tmp_path / "blank.txt"
+    w.write_text("\n \n")
+    with pytest.raises(InputError, match=r"blank\.txt: column 'text' has no non-empty text"):
+        data.load_texts(w, cache_dir=tmp_path / "hf")
+    b = tmp_path / "bad.jsonl"
+    b.write_text("{not json\n")
+    with pytest.raises(InputError, match=r"bad\.jsonl: cannot read as json"):
+        data.load_texts(b, cache_dir=tmp_path / "hf")
+    with pytest.raises(InputError, match="not found"):
+        data.load_texts(tmp_path / "nope.jsonl")
+    with pytest.raises(InputError, match="not found"):
+        data.wiki_articles(tmp_path)

@@ -103,8 +103,10 @@ class _SpecialVocab:
     """What ``gguf.SpecialVocab(path, load_merges, special_token_types, n_vocab)`` collects."""
 
     def __init__(self, path: Path, load_merges: bool = False,
-                 special_token_types: Iterable[str] | None = None, n_vocab: int | None = None):
+                 special_token_types: Iterable[str] | None = None, n_vocab: int | None = None,
+                 tokenizer_json: dict | None = None):
         self.path = path
+        self._tok_json = tokenizer_json  # already parsed tokenizer.json (read-only use)
         self.n_vocab = n_vocab
         self.load_merges = load_merges
         self.types: tuple[str, ...] = tuple(special_token_types) if special_token_types is not None else (
@@ -152,10 +154,9 @@ class _SpecialVocab:
         if isinstance(merges[0], str):
             return merges
         if isinstance(merges[0], list) and len(merges[0]) == 2 and isinstance(merges[0][0], str):
-            # [a, b] pairs (transformers >= 4.45): spaces inside a part become U+0120 + ...
-            def enc(part: str) -> str:
-                return "".join(chr(ord(c) + 256) if c == " " else c for c in part)
-            return [" ".join(enc(p) for p in pair) for pair in merges]
+            # [a, b] pairs (transformers >= 4.45): a space inside a part is stored as
+            # chr(ord(" ") + 256) == "\u0120", as the byte-level alphabet writes it
+            return [" ".join(p.replace(" ", "\u0120") for p in pair) for pair in merges]
         raise ValueError("Unknown tokenizer merges format")
 
     def _normalizer(self, norm: dict) -> None:
@@ -178,7 +179,7 @@ class _SpecialVocab:
         tok_json = None
         added_tokens: Any = {}
         if (self.path / "tokenizer.json").is_file():
-            tok_json = _read_json(self.path / "tokenizer.json")
+            tok_json = self._tok_json if self._tok_json is not None else _read_json(self.path / "tokenizer.json")
             if self.load_merges:
                 merges = tok_json.get("model", {}).get("merges")
                 if isinstance(merges, list) and merges:
@@ -363,7 +364,7 @@ def _emit_chat_template(kv: _KVList, value: Any) -> None:
 # vocabularies
 
 
-def _sentencepiece_vocab(model_dir: Path, config: dict, kv: _KVList) -> None:
+def _sentencepiece_vocab(model_dir: Path, config: dict, kv: _KVList, tok_json: dict | None) -> None:
     """``TextModel._set_vocab_sentencepiece`` / ``_create_vocab_sentencepiece``."""
     from sentencepiece import SentencePieceProcessor
 
@@ -419,15 +420,13 @@ def _sentencepiece_vocab(model_dir: Path, config: dict, kv: _KVList) -> None:
     kv.array("tokenizer.ggml.tokens", tokens, _STR)
     kv.array("tokenizer.ggml.scores", scores, _F32)
     kv.array("tokenizer.ggml.token_type", types, _I32)
-    _SpecialVocab(model_dir, n_vocab=len(tokens)).emit(kv)
+    _SpecialVocab(model_dir, n_vocab=len(tokens), tokenizer_json=tok_json).emit(kv)
 
 
-def _llama_hf_applies(model_dir: Path) -> bool:
-    """The pre-check of gguf-py ``LlamaHfVocab.__init__``."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
+def _llama_hf_applies(tj: dict | None) -> bool:
+    """The pre-check of gguf-py ``LlamaHfVocab.__init__`` on the parsed tokenizer.json."""
+    if tj is None:
         return False
-    tj = _read_json(path)
     model = tj["model"]
     if model["type"] == "BPE" and model.get("ignore_merges", False) and not model.get("byte_fallback", True):
         return False  # "Llama 3 must be converted with BpeVocab"
@@ -438,7 +437,7 @@ def _llama_hf_applies(model_dir: Path) -> bool:
     return isinstance(decoder, dict) and decoder.get("type") == "Sequence"
 
 
-def _llama_hf_vocab(model_dir: Path, kv: _KVList) -> None:
+def _llama_hf_vocab(model_dir: Path, kv: _KVList, tok_json: dict) -> None:
     """``TextModel._set_vocab_llama_hf`` with gguf-py ``LlamaHfVocab``."""
     from transformers import AutoTokenizer
 
@@ -472,10 +471,11 @@ def _llama_hf_vocab(model_dir: Path, kv: _KVList) -> None:
     kv.array("tokenizer.ggml.tokens", tokens, _STR)
     kv.array("tokenizer.ggml.scores", [-1000.0] * len(tokens), _F32)
     kv.array("tokenizer.ggml.token_type", types, _I32)
-    _SpecialVocab(model_dir, n_vocab=len(tokens)).emit(kv)
+    _SpecialVocab(model_dir, n_vocab=len(tokens), tokenizer_json=tok_json).emit(kv)
 
 
-def _gpt2_vocab(model_dir: Path, config: dict, kv: _KVList, pre_tokenizer: str | None = None) -> None:
+def _gpt2_vocab(model_dir: Path, config: dict, kv: _KVList, tok_json: dict | None,
+                pre_tokenizer: str | None = None) -> None:
     """``TextModel._set_vocab_gpt2`` (``get_vocab_base`` + ``get_vocab_base_pre``)."""
     from transformers import AutoTokenizer
 
@@ -514,7 +514,7 @@ def _gpt2_vocab(model_dir: Path, config: dict, kv: _KVList, pre_tokenizer: str |
     kv.string("tokenizer.ggml.pre", pre)
     kv.array("tokenizer.ggml.tokens", tokens, _STR)
     kv.array("tokenizer.ggml.token_type", types, _I32)
-    _SpecialVocab(model_dir, load_merges=True).emit(kv)
+    _SpecialVocab(model_dir, load_merges=True, tokenizer_json=tok_json).emit(kv)
 
 
 _EXPECTED = ("tokenizer.model (SentencePiece)", "tokenizer.json (Hugging Face fast tokenizer)",
@@ -567,6 +567,7 @@ def tokenizer_metadata(model_dir: Path | str, config: dict, arch: str, *,
         raise FileNotFoundError(
             f"no tokenizer files in {model_dir}: expected one of " + ", ".join(_EXPECTED))
 
+    tok_json = _read_json(model_dir / "tokenizer.json") if has_json else None
     kv = _KVList()
     tc_path = model_dir / "tokenizer_config.json"
     if arch == "llama" and tc_path.is_file():
@@ -578,19 +579,20 @@ def tokenizer_metadata(model_dir: Path | str, config: dict, arch: str, *,
 
     for kind in info["tokenizer_order"]:
         if kind == "sentencepiece" and has_spm:
-            _sentencepiece_vocab(model_dir, config, kv)
+            _sentencepiece_vocab(model_dir, config, kv, tok_json)
             break
-        if kind == "llama_hf" and _llama_hf_applies(model_dir):
-            _llama_hf_vocab(model_dir, kv)
+        if kind == "llama_hf" and _llama_hf_applies(tok_json):
+            _llama_hf_vocab(model_dir, kv, tok_json)
             break
         if kind == "gpt2":
-            _gpt2_vocab(model_dir, config, kv, pre_tokenizer)
+            _gpt2_vocab(model_dir, config, kv, tok_json, pre_tokenizer)
             break
 
     if arch == "llama":
         vocab_size = config.get("vocab_size", 32000)
         if vocab_size == 32016:  # CodeLlama infill tokens; only eot has a GGUFWriter handler
-            sv = _SpecialVocab(model_dir, load_merges=False, special_token_types=["prefix", "suffix", "middle", "eot"])
+            sv = _SpecialVocab(model_dir, load_merges=False, special_token_types=["prefix", "suffix", "middle", "eot"],
+                               tokenizer_json=tok_json)
             for typ, tid in (("prefix", 32007), ("suffix", 32008), ("middle", 32009), ("eot", 32010)):
                 sv.set_id(typ, tid)
             sv.emit(kv)

@@ -138,6 +138,13 @@ def _first_present(config: dict, keys: Iterable[str]) -> Any:
     return None
 
 
+def _required(config: dict, keys: Sequence[str]) -> Any:
+    """``ModelBase.find_hparam(keys)``: like :func:`_first_present` but a KeyError when absent."""
+    if not any(k in config for k in keys):
+        raise KeyError(f"config has none of {list(keys)}")
+    return _first_present(config, keys)
+
+
 def _arch_info(arch: str) -> dict:
     try:
         return _table()["arch"][arch]
@@ -298,11 +305,14 @@ def transform_tensor(hf_name: str, t: torch.Tensor, config: dict, arch: str) -> 
 
     Raises:
         ValueError: the leading dimension is not divisible by 2*heads.
+        KeyError: a llama q/k tensor but the config lacks the head counts.
     """
     if not _arch_info(arch)["permute_qk"]:
         return t
-    n_head = _first_present(config, ["n_heads", "num_attention_heads"])
-    n_kv_head = _first_present(config, ["n_kv_heads", "num_key_value_heads"])
+    if not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        return t
+    n_head = _required(config, ["n_heads", "num_attention_heads"])
+    n_kv_head = _required(config, ["n_kv_heads", "num_key_value_heads"])
     if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         t = _permute_rows(t, n_head)
     if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -635,10 +645,7 @@ def model_metadata(config: dict, model_dir: Path | str, arch: str, file_type: in
     _general_metadata(kv, model_dir, total_params, model_name)
 
     a = arch
-    block_count = _first_present(config, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"])
-    if block_count is None and not any(k in config for k in ("n_layers", "num_hidden_layers", "n_layer", "num_layers")):
-        raise KeyError("could not find any of: ['n_layers', 'num_hidden_layers', 'n_layer', 'num_layers']")
-    kv.u32(f"{a}.block_count", block_count)
+    kv.u32(f"{a}.block_count", _required(config, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"]))
     if (v := _first_present(config, ["max_position_embeddings", "n_ctx", "n_positions", "max_length",
                                      "max_sequence_length", "model_max_length"])) is not None:
         kv.u32(f"{a}.context_length", v)

@@ -128,7 +128,17 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     """
     ax = x.abs()
     ax = torch.where(ax.isnan(), 0.0, ax)
-    idx = ax.argmax(dim, keepdim=True)
+    n = x.shape[dim]
+    if dim in (-1, x.dim() - 1) or n > 255:
+        idx = ax.argmax(dim, keepdim=True)
+    else:
+        # torch's argmax over a non-innermost axis is slow on CPU: weight the positions equal
+        # to the maximum by n, n-1, ..., 1 (uint8) and take the largest weight = first index
+        amax = ax.amax(dim, keepdim=True)
+        shape = [1] * x.dim()
+        shape[dim] = n
+        weights = torch.arange(n, 0, -1, dtype=torch.uint8, device=x.device).view(shape)
+        idx = (n - ((ax == amax) * weights).amax(dim, keepdim=True)).long()
     amax = ax.gather(dim, idx).squeeze(dim)
     m = x.gather(dim, idx).squeeze(dim)
     return torch.where(amax > 0, m, 0.0), amax

@@ -38,7 +38,9 @@ def _ni_clamp(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
     """float32 [nb, 256] -> [n, nb * (256 // n)]: sub-blocks of n elements as columns."""
     nb = x.shape[0]
-    return x.reshape(nb, QK_K // n, n).permute(2, 0, 1).reshape(n, -1)
+    # an explicit copy: reshape would return a transposed view (row stride 1, column
+    # stride n), making every later per-position row access strided
+    return x.reshape(nb, QK_K // n, n).permute(2, 0, 1).contiguous().reshape(n, -1)
 
 
 def _blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
@@ -106,6 +108,22 @@ def _ni_clamp_(v: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> torch.Te
     return out.copy_(vi)
 
 
+# make_qkx2_quants may round with float ops on CPU after a range check (exact, ~10% faster);
+# tests switch this off to exercise C's integer path, which other devices always take.
+FAST_ROUNDING_ON_CPU = True
+
+_MAGIC = 12582912.0     # 1.5 * 2**23: nearest_int's shift constant
+_NI_SAFE = 4194303.0    # |v| up to this: nearest_int(v) == (v + _MAGIC) - _MAGIC, exactly
+
+
+def _round_clamp_(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """In place ``v = MAX(lo, MIN(hi, nearest_int(v)))`` in float32, valid (bit-exact with C)
+    only where |v| <= 4194303: there ``v + 12582912.0f`` lands in [2**23, 2**24), whose
+    spacing is 1, so C's mantissa read equals ``(v + 12582912) - 12582912``. Callers prove
+    or check that bound; elsewhere use :func:`_ni_clamp_`."""
+    return v.add_(_MAGIC).sub_(_MAGIC).clamp_(lo, hi)
+
+
 def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
 
@@ -119,13 +137,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     zero = amax < GROUP_MAX_EPS
     w = x * x
     wx = w * x
-    T = torch.empty_like(x)
     la = torch.empty_like(x)
     p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
 
     def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.mul(x, iscale, out=T)         # iscale*x
-        _ni_clamp_(T, -nmax, nmax - 1, la)
+        # |iscale*x| <= (nmax + 1)*(1 + eps) in every sub-block with max|x| >= 1e-15 (the
+        # others are masked at the end), so the float rounding path is exact
+        torch.mul(x, iscale, out=la)        # iscale*x
+        _round_clamp_(la, -nmax, nmax - 1)
         torch.mul(wx, la, out=p[:, 0])      # (w*x)*l
         torch.mul(w, la, out=p[:, 1])
         p[:, 1].mul_(la)                    # (w*l)*l
@@ -148,8 +167,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
         scale = torch.where(take, fdiv(sumlx, suml2), scale)
         best = torch.where(take, scale * sumlx, best)
     # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
-    torch.mul(x, sel, out=T)
-    L = _ni_clamp_(T, -nmax, nmax - 1, la)
+    L = _round_clamp_(torch.mul(x, sel, out=la), -nmax, nmax - 1)
     scale = torch.where(zero, 0.0, scale)
     L.add_(nmax).masked_fill_(zero, 0.0)
     return scale, L
@@ -166,9 +184,8 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     n = x.shape[0]
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
-    T = x * fdiv(float(-nmax), mx)
-    L = torch.empty_like(x)
-    _ni_clamp_(T, -nmax, nmax - 1, L)
+    # |iscale*x| <= nmax*(1 + eps) unless the sub-block is all zero (masked at the end)
+    L = _round_clamp_(x * fdiv(float(-nmax), mx), -nmax, nmax - 1)
     w = x * x
     wx = w * x
     p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
@@ -177,21 +194,20 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     p[:, 1].mul_(L)
     s = _seq_sum_rows(p)
     sumlx, suml2 = s[0], s[1]
-    del p, T
+    del p
 
-    # Coordinate descent on a shrinking working set: the sub-blocks that changed something
-    # in the previous pass (C's per-block ``if (!n_changed) break``). Gathering them costs a
-    # host sync per pass but most sub-blocks stop after one or two passes.
-    sumlx, suml2 = sumlx.clone(), suml2.clone()
-    idx = torch.nonzero(~zero).squeeze(1)
-    xa, wa, wxa, La = x[:, idx], w[:, idx], wx[:, idx], L[:, idx]
-    slx_a, sl2_a = sumlx[idx], suml2[idx]
+    # Coordinate descent. Pass 1 runs on all sub-blocks (the all-zero ones masked out);
+    # later passes on a shrinking working set: the sub-blocks that changed something in the
+    # previous pass (C's per-block ``if (!n_changed) break``). Gathering them costs a host
+    # sync per pass, but most sub-blocks stop after one or two passes.
+    idx = None                                          # None: the full set
+    act = ~zero
+    xa, wa, wxa, La = x, w, wx, L
+    slx_a, sl2_a = sumlx, suml2
+    t = torch.empty_like(slx_a)
+    new_l = torch.empty_like(slx_a)
     for _ in range(5):
-        if idx.numel() == 0:
-            break
         changed = torch.zeros_like(slx_a, dtype=torch.bool)
-        t = torch.empty_like(slx_a)
-        new_l = torch.empty_like(slx_a)
         for i in range(n):
             xi, wi, wxi, li = xa[i], wa[i], wxa[i], La[i]
             slx = slx_a - wxi * li
@@ -213,17 +229,27 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
             accept &= slx > 0
             accept &= new_l != li
             accept &= sl22 > 0
+            if act is not None:
+                accept &= act
             torch.where(accept, new_l, li, out=li)
             slx_a = torch.where(accept, slx2, slx_a)
             sl2_a = torch.where(accept, sl22, sl2_a)
             changed |= accept
-        L.index_copy_(1, idx, La)
-        sumlx.index_copy_(0, idx, slx_a)
-        suml2.index_copy_(0, idx, sl2_a)
+        if idx is None:
+            sumlx, suml2 = slx_a, sl2_a                 # L was updated in place
+        else:
+            L.index_copy_(1, idx, La)
+            sumlx.index_copy_(0, idx, slx_a)
+            suml2.index_copy_(0, idx, sl2_a)
         keep = torch.nonzero(changed).squeeze(1)
-        idx = idx[keep]
-        xa, wa, wxa, La = xa[:, keep], wa[:, keep], wxa[:, keep], La[:, keep]
+        if keep.numel() == 0:
+            break
+        idx = keep if idx is None else idx[keep]
+        act = None
+        xa, wa, wxa, La = (a.index_select(1, keep) for a in (xa, wa, wxa, La))
         slx_a, sl2_a = slx_a[keep], sl2_a[keep]
+        t = torch.empty_like(slx_a)
+        new_l = torch.empty_like(slx_a)
     scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
     scale.masked_fill_(zero, 0.0)
     L.add_(nmax).masked_fill_(zero, 0.0)
@@ -253,11 +279,29 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     degenerate = mx == mn
     min0 = mn
 
-    T = torch.empty_like(x)
+    xmin = x.amin(0)
+    live = ~degenerate
+    fast_ok = FAST_ROUNDING_ON_CPU and x.device.type == "cpu"
+    T = None if fast_ok else torch.empty_like(x)
     E = torch.empty_like(x)
     p = torch.empty((n, 3) + x.shape[1:], dtype=x.dtype, device=x.device)
 
     def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        nonlocal T
+        if fast_ok:
+            # iscale >= 0, so iscale*(x - min) lies between the same expression at the block's
+            # smallest and largest x (rounding is monotonic): if that range is within the
+            # exact range of the float rounding path for every live sub-block (a host check,
+            # CPU only), use it; otherwise (never seen in practice) take C's integer path.
+            lo_v = (xmin - mn) * iscale
+            hi_v = (mx - mn) * iscale
+            ok = (lo_v >= -_NI_SAFE) & (hi_v <= _NI_SAFE)
+            if bool((ok | ~live).all()):
+                torch.sub(x, mn, out=out)
+                out.mul_(iscale)            # iscale*(x - min)
+                return _round_clamp_(out, 0, nmax)
+            if T is None:
+                T = torch.empty_like(x)
         torch.sub(x, mn, out=T)
         T.mul_(iscale)                      # iscale*(x - min)
         return _ni_clamp_(T, 0, nmax, out)

@@ -13,7 +13,8 @@ EXIT_FAILED_CHECK = 3
 
 
 def run_command(fn: Callable[[], int]) -> int:
-    """Run ``fn``; print bad input (InputError, ValueError, OSError) as one line
+    """Run ``fn``; print bad input (InputError, ValueError, OSError, KeyError, and
+    NotImplementedError for unsupported tokenizers) as one line
     ``error: ...`` and return 2, a failed round trip (RuntimeError) as one line and return 3.
     Set QUANTPRESS_DEBUG=1 for tracebacks."""
     try:
@@ -21,7 +22,7 @@ def run_command(fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
         return 130
-    except (InputError, ValueError, OSError, KeyError) as e:
+    except (InputError, ValueError, OSError, KeyError, NotImplementedError) as e:
         code, msg = EXIT_BAD_INPUT, e.args[0] if isinstance(e, KeyError) and e.args else e
     except RuntimeError as e:
         code, msg = EXIT_FAILED_CHECK, e

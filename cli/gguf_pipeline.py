@@ -147,8 +147,8 @@ def hf_to_gguf(model_dir: Path, out: Path, policy: str = "F16", *, force: bool =
         raise InputError(f"unknown policy {policy!r}; choose one of: {', '.join(gguf_policy.POLICIES)}")
     check_output(Path(out), force)
     dev = pick_device(device)
-    model = HFModel(model_dir)
-    cfg = model.config
+    model = HFModel(model_dir)  # validates config.json and the safetensors files
+    cfg = gguf_arch.load_hf_config(model.dir)  # transformers' parsed config, as llama.cpp reads it
     arch = gguf_arch.gguf_arch(cfg)
     kvs = (gguf_arch.model_metadata(cfg, model.dir, arch, gguf_policy.ftype_id(policy))
            + gguf_tokenizer.tokenizer_metadata(model.dir, cfg, arch))
@@ -156,9 +156,9 @@ def hf_to_gguf(model_dir: Path, out: Path, policy: str = "F16", *, force: bool =
     sources: list[SourceTensor] = [
         SourceTensor(name, tuple(t.shape), (lambda t=t: t)) for name, t in gguf_arch.generated_tensors(cfg, arch)]
     for hf_name in model.names:
-        name = gguf_arch.gguf_tensor_name(hf_name, arch)
-        if name is None:
+        if gguf_arch.is_skipped_tensor(hf_name):
             continue
+        name = gguf_arch.gguf_tensor_name(hf_name, arch, n_layers=cfg["num_hidden_layers"])
 
         def load(hf_name=hf_name):
             return gguf_arch.transform_tensor(hf_name, model.tensor(hf_name), cfg, arch)

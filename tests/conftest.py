@@ -43,3 +43,9 @@ def synth_qwen3_dir(tmp_path_factory, smollm2_dir) -> Path:
 def synth_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Synthetic qwen2 (q/k/v biases): 16 layers, hidden 256, GQA, tied embeddings."""
     return synth.make_model(tmp_path_factory.mktemp("synth_qwen2"), "qwen2", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """Synthetic llama with 2 layers (fast), hidden 256, GQA, untied."""
+    return synth.make_model(tmp_path_factory.mktemp("tiny_llama"), "llama", smollm2_dir, num_hidden_layers=2)

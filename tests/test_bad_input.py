@@ -26,8 +26,8 @@ def copy_model(src, dst):
 
 
 @pytest.fixture
-def model(tmp_path, synth_qwen2_dir):
-    return copy_model(synth_qwen2_dir, tmp_path / "model")
+def model(tmp_path, tiny_llama_dir):
+    return copy_model(tiny_llama_dir, tmp_path / "model")
 
 
 def no_output(tmp_path, out):
@@ -114,12 +114,12 @@ def test_tensor_in_index_but_absent(tmp_path, capsys, model):
 
 def test_nan_in_weight_names_tensor(tmp_path, capsys, model):
     tensors = load_file(model / "model.safetensors")
-    victim = "model.layers.3.mlp.up_proj.weight"
+    victim = "model.layers.1.mlp.up_proj.weight"
     tensors[victim][5, 7] = float("nan")
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "o.gguf"
     code, err = run(capsys, model, "--policy", "Q4_K_M", "-o", out)
-    assert code == EXIT_BAD_INPUT and "blk.3.ffn_up.weight" in err and "NaN" in err
+    assert code == EXIT_BAD_INPUT and "blk.1.ffn_up.weight" in err and "NaN" in err
     no_output(tmp_path, out)
 
 

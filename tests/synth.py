@@ -12,8 +12,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def config_for(arch: str, **over):
-    """A transformers config for ``arch`` in {llama, qwen2, qwen3}; widths multiples of 256."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config for ``arch`` in {llama, qwen2, qwen3, mixtral}; widths multiples
+    of 256. ``mixtral`` is a sparse MoE with 8 experts (gguf arch "llama", expert_count 8)."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=16,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
@@ -30,6 +31,10 @@ def config_for(arch: str, **over):
         common.update(num_key_value_heads=1, head_dim=64)
         common.update(over)
         return Qwen3Config(**common)
+    if arch == "mixtral":
+        common.update(num_local_experts=8, num_experts_per_tok=2)
+        common.update(over)
+        return MixtralConfig(**common)
     raise ValueError(arch)
 
 

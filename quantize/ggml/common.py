@@ -6,7 +6,9 @@ baseline (non-FMA) x86-64 build: one float32 rounding after every operation, in 
 """
 from __future__ import annotations
 
+import functools
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -166,19 +168,44 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 
 # Elements per slice for the block codecs on CPU: the codecs keep several float32 copies
 # of their input alive, and slices of 2**18 elements (1 MiB each) keep that working set in
-# cache, which makes the many elementwise passes ~3x faster than on whole 4M-element chunks.
-# Results do not depend on the slicing (blocks are independent).
+# cache, which makes the many elementwise passes several times faster than on whole
+# 4M-element chunks. Results do not depend on the slicing (blocks are independent).
 CPU_SLICE_ELEMENTS = 1 << 18
 
 
 def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
-    On CPU the rows are cut into slices of about :data:`CPU_SLICE_ELEMENTS` elements and
-    the results are concatenated; on other devices ``fn(x)`` is called once.
+    Other devices: ``fn(x)`` once. CPU: the rows are cut into slices of about
+    :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated. The codecs issue
+    thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading costs
+    more than it brings (and stalls badly on a busy machine), so ops run single-threaded and
+    the slices are spread over ``torch.get_num_threads()`` Python threads instead (torch
+    releases the GIL inside ops). torch's thread setting is restored on return.
     """
+    if x.device.type != "cpu":
+        return fn(x)
     nb, k = x.shape
     step = max(1, CPU_SLICE_ELEMENTS // max(1, k))
-    if x.device.type != "cpu" or nb <= step:
-        return fn(x)
-    return torch.cat([fn(x[i:i + step]) for i in range(0, nb, step)])
+    slices = [x[i:i + step] for i in range(0, nb, step)]
+    workers = min(torch.get_num_threads(), len(slices))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers > 1:
+            with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                outs = list(pool.map(fn, slices))
+        else:
+            outs = [fn(s) for s in slices]
+    finally:
+        torch.set_num_threads(prev)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def sliced(fn):
+    """Decorator: run block codec ``fn`` through :func:`map_block_slices` (same signature,
+    docstring kept; the undecorated function is ``fn.__wrapped__``)."""
+    @functools.wraps(fn)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return map_block_slices(fn, x)
+    return run

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, map_block_slices, nearest_int, sqrtf, to_int8
+from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sliced, sqrtf, to_int8
 
 QK_K = 256
 GROUP_MAX_EPS = f32(1e-15)
@@ -356,6 +356,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
 
 # ============================================================================ Q2_K
 
+@sliced
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q2_K_ref``: float32 [nb, 256] -> uint8 [nb, 84].
 
@@ -404,12 +405,14 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q3_K
 
+@sliced
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q3_K_ref``: float32 [nb, 256] -> uint8 [nb, 110].
 
-    16 sub-blocks of 16: make_q3_quants(nmax 4, rmse); 6-bit signed scales relative to
-    d = fp16(max_scale / -32) (max_scale: the sub-block scale of largest magnitude, first on
-    ties); requantization with fp16 d. Layout: hmask[32], qs[64], scales[12], d.
+    16 sub-blocks of 16: make_q3_quants(nmax 4, rmse); 6-bit signed scales
+    ni(iscale * s_j) with iscale = -32 / max_scale (max_scale: the sub-block scale of largest
+    magnitude, first on ties) and d = fp16(1 / iscale); requantization with fp16 d.
+    Layout: hmask[32], qs[64], scales[12], d.
     """
     nb = x.shape[0]
     xs = _positions_first(x, 16)
@@ -494,6 +497,7 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     return head, Lb
 
 
+@sliced
 def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_K_ref``: float32 [nb, 256] -> uint8 [nb, 144].
 
@@ -522,6 +526,7 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(nb, QK_K)
 
 
+@sliced
 def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_K_ref``: float32 [nb, 256] -> uint8 [nb, 176].
 
@@ -561,11 +566,13 @@ def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q6_K
 
+@sliced
 def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q6_K_ref``: float32 [nb, 256] -> uint8 [nb, 210].
 
-    16 sub-blocks of 16: make_qx_quants(nmax 32, rmse_type 1); int8 scales relative to
-    d = fp16(max_scale / -128); requantization with fp16 d. Blocks whose largest sub-block
+    16 sub-blocks of 16: make_qx_quants(nmax 32, rmse_type 1); int8 scales
+    MIN(127, ni(iscale * s_j)) with iscale = -128 / max_scale and d = fp16(1 / iscale);
+    requantization with fp16 d. Blocks whose largest sub-block
     scale is below 1e-15 are all zero bytes. Layout: ql[128], qh[64], int8 scales[16], d.
     """
     nb = x.shape[0]
@@ -608,8 +615,8 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(nb, QK_K)
 
 
-Q2_K = register(GGMLType("Q2_K", QK_K, 84, lambda x: map_block_slices(quantize_q2_k, x), dequantize_q2_k))
-Q3_K = register(GGMLType("Q3_K", QK_K, 110, lambda x: map_block_slices(quantize_q3_k, x), dequantize_q3_k))
-Q4_K = register(GGMLType("Q4_K", QK_K, 144, lambda x: map_block_slices(quantize_q4_k, x), dequantize_q4_k))
-Q5_K = register(GGMLType("Q5_K", QK_K, 176, lambda x: map_block_slices(quantize_q5_k, x), dequantize_q5_k))
-Q6_K = register(GGMLType("Q6_K", QK_K, 210, lambda x: map_block_slices(quantize_q6_k, x), dequantize_q6_k))
+Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k))
+Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k))
+Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k))
+Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k))
+Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, map_block_slices, roundf, to_int8
+from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf, sliced, to_int8
 
 QK = 32
 
@@ -70,6 +70,7 @@ def _unpack_qh(qh: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Q4_0
 
+@sliced
 def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_0_ref``: float32 [nb, 32] -> uint8 [nb, 18].
 
@@ -91,6 +92,7 @@ def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Q4_1
 
+@sliced
 def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_1_ref``: float32 [nb, 32] -> uint8 [nb, 20].
 
@@ -113,6 +115,7 @@ def dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Q5_0
 
+@sliced
 def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_0_ref``: float32 [nb, 32] -> uint8 [nb, 22].
 
@@ -134,6 +137,7 @@ def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Q5_1
 
+@sliced
 def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_1_ref``: float32 [nb, 32] -> uint8 [nb, 24].
 
@@ -156,6 +160,7 @@ def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Q8_0
 
+@sliced
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q8_0_ref``: float32 [nb, 32] -> uint8 [nb, 34].
 
@@ -175,8 +180,8 @@ def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * d
 
 
-Q4_0 = register(GGMLType("Q4_0", QK, 18, lambda x: map_block_slices(quantize_q4_0, x), dequantize_q4_0))
-Q4_1 = register(GGMLType("Q4_1", QK, 20, lambda x: map_block_slices(quantize_q4_1, x), dequantize_q4_1))
-Q5_0 = register(GGMLType("Q5_0", QK, 22, lambda x: map_block_slices(quantize_q5_0, x), dequantize_q5_0))
-Q5_1 = register(GGMLType("Q5_1", QK, 24, lambda x: map_block_slices(quantize_q5_1, x), dequantize_q5_1))
-Q8_0 = register(GGMLType("Q8_0", QK, 34, lambda x: map_block_slices(quantize_q8_0, x), dequantize_q8_0))
+Q4_0 = register(GGMLType("Q4_0", QK, 18, quantize_q4_0, dequantize_q4_0))
+Q4_1 = register(GGMLType("Q4_1", QK, 20, quantize_q4_1, dequantize_q4_1))
+Q5_0 = register(GGMLType("Q5_0", QK, 22, quantize_q5_0, dequantize_q5_0))
+Q5_1 = register(GGMLType("Q5_1", QK, 24, quantize_q5_1, dequantize_q5_1))
+Q8_0 = register(GGMLType("Q8_0", QK, 34, quantize_q8_0, dequantize_q8_0))

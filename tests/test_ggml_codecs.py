@@ -1,0 +1,249 @@
+"""ggml codecs (quantize/ggml/legacy.py, kquants.py) against llama.cpp itself.
+
+Reference bytes come from llama.cpp's ``ggml_quantize_chunk`` (libggml-base of the
+installed llama-cpp-python 0.3.36, through tests/ggml_ref.py); dequantization is checked
+against llama.cpp's ``to_float`` and against gguf-py's independent numpy implementation.
+Nothing is hard-coded: every expectation is computed by the reference on the same input.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+import ggml_ref
+import quantize.ggml as qg
+from quantize.ggml import common, kquants
+
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = LEGACY + KQUANTS
+
+needs_llamacpp = pytest.mark.skipif(not ggml_ref.available(), reason="llama_cpp (libggml-base) not installed")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def _fp16_rows() -> np.ndarray:
+    """64 x 4096 rows of N(0, 0.02^2) rounded through float16 (typical checkpoint weights)."""
+    g = torch.Generator().manual_seed(1234)
+    return (torch.randn(64, 4096, generator=g) * 0.02).half().float().numpy()
+
+
+def _random_rows() -> np.ndarray:
+    """Float32 rows of several scales and shapes of distribution, 256 wide."""
+    r = np.random.default_rng(7)
+    rows = []
+    for scale in (1e-6, 1e-3, 0.05, 1.0, 30.0, 1e4):
+        rows.append(r.normal(0.0, scale, (16, 256)))
+        rows.append(r.standard_t(3, (8, 256)) * scale)                 # heavy tails
+        rows.append(r.normal(scale, scale / 4, (4, 256)))              # all positive
+        rows.append(r.uniform(-scale, scale, (4, 256)))
+    return np.concatenate(rows).astype(np.float32)
+
+
+def _edge_rows() -> np.ndarray:
+    """Rows of 256 (one K-quant block, eight legacy blocks) that hit the special cases."""
+    r = np.random.default_rng(3)
+    n = 256
+    rows = [
+        np.zeros(n),                                                    # all zero
+        np.where(r.random(n) < 0.5, -0.0, 0.0),                         # signed zeros
+        np.where(np.arange(n) == 37, 5.0, 0.0),                         # single outlier
+        np.where(np.arange(n) == 100, -3.0, r.normal(0, 0.02, n)),      # outlier in noise
+        np.where(np.arange(n) % 32 == 0, 1.0, r.normal(0, 0.02, n)),    # outlier per block
+        np.full(n, 0.5), np.full(n, -0.25),                             # constant (max == min)
+        np.full(n, 1e-30), np.full(n, -1e-30),
+        r.normal(0, 1e-30, n),                                          # near 1e-30
+        r.normal(0, 1e-39, n), r.normal(0, 1e-42, n),                   # subnormal
+        np.tile([0.3, -0.3], n // 2), np.tile([-0.3, 0.3, 0.1, -0.2], n // 4),  # mixed signs, |x| ties
+        np.tile([0.5, -0.5, -0.5, 0.5, 0.25, -0.25, 0.0, 0.1], n // 8),
+        r.normal(0, 1e30, n), r.normal(0, 1e37, n),                     # huge (squares overflow)
+        np.where(r.random(n) < 0.1, 1e20, 1e-20) * r.choice([-1, 1], n),  # tiny and huge mixed
+        r.normal(0, 1, n) * np.repeat(10.0 ** np.arange(-8, 8), 16),    # magnitude per sub-block
+        r.integers(-8, 8, n) * 0.125, r.integers(0, 16, n) * 0.25,      # on the quant grid
+        (r.integers(-40, 40, n) + 0.5) * 0.01,                          # rounding ties
+        np.abs(r.normal(0, 1, n)), -np.abs(r.normal(0, 1, n)),          # one-signed
+        np.where(r.random(n) < 0.05, r.normal(0, 1, n), 0.0),           # sparse
+        np.where(r.random(n) < 0.5, 1.0, -1.0), np.where(r.random(n) < 0.5, 2.0, 1.0),
+        np.linspace(-1, 1, n), np.linspace(0, 1, n),
+        np.where(np.arange(n) % 16 == 3, 1.0, 0.0),
+        np.concatenate([np.zeros(128), r.normal(0, 1, 128)]),
+        np.concatenate([np.full(64, 0.1), r.normal(0, 1, 64), np.full(64, -0.2), np.zeros(64)]),
+    ]
+    return np.stack(rows).astype(np.float32)
+
+
+def _fuzz_rows(seed: int, count: int = 192) -> np.ndarray:
+    """Rows mixing distributions, sparsity, grids and magnitudes from 1e-40 to 1e37."""
+    r = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        kind = r.integers(0, 8)
+        scale = 10.0 ** r.uniform(-40, 37)
+        if kind == 0:
+            v = r.normal(0, 1, 256)
+        elif kind == 1:
+            v = r.standard_t(2, 256)
+        elif kind == 2:
+            v = r.integers(-4, 5, 256).astype(float)
+        elif kind == 3:
+            v = np.abs(r.normal(0, 1, 256)) * r.choice([-1, 1])
+        elif kind == 4:
+            v = np.where(r.random(256) < r.random(), r.normal(0, 1, 256), 0.0)
+        elif kind == 5:
+            v = r.normal(0, 1, 256) * 10.0 ** r.uniform(-6, 6, 256)
+        elif kind == 6:
+            v = np.repeat(r.normal(0, 1, 16), 16) + r.normal(0, 1e-3, 256) * (r.random() < 0.5)
+        else:
+            v = r.uniform(-1, 1, 256).round(r.integers(0, 4))
+        rows.append(np.clip(v * scale, -3e38, 3e38))
+    return np.stack(rows).astype(np.float32)
+
+
+INPUTS = {
+    "fp16_rows": _fp16_rows,
+    "random_rows": _random_rows,
+    "edge_rows": _edge_rows,
+    "fuzz_rows": lambda: _fuzz_rows(11),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict[str, np.ndarray]:
+    return {k: f() for k, f in INPUTS.items()}
+
+
+def _ours(x: np.ndarray, name: str) -> np.ndarray:
+    return qg.quantize(torch.from_numpy(x), name).numpy()
+
+
+def _mismatched_blocks(a: np.ndarray, b: np.ndarray, type_size: int) -> np.ndarray:
+    return np.nonzero((a.reshape(-1, type_size) != b.reshape(-1, type_size)).any(1))[0]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- quantize
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("kind", list(INPUTS))
+def test_quantize_matches_llamacpp(inputs, name, kind):
+    x = inputs[kind]
+    ref = ggml_ref.ref_quantize(x, name)
+    ours = _ours(x, name)
+    assert ours.shape == ref.shape and ours.dtype == np.uint8
+    bad = _mismatched_blocks(ours, ref, qg.get(name).type_size)
+    assert bad.size == 0, f"{name}/{kind}: {bad.size} of {ref.size // qg.get(name).type_size} blocks differ, first {bad[:8]}"
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", ["Q2_K", "Q4_K", "Q5_K"])
+def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
+    """make_qkx2_quants' C integer rounding path (used off-CPU) gives the same bytes."""
+    monkeypatch.setattr(kquants, "FAST_ROUNDING_ON_CPU", False)
+    x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64]])
+    assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", ["Q4_0", "Q3_K", "Q6_K"])
+def test_slicing_does_not_change_bytes(inputs, name, monkeypatch):
+    """The CPU slicing into cache-sized pieces (including a ragged last slice) is invisible."""
+    x = inputs["fuzz_rows"][:37]
+    ref = ggml_ref.ref_quantize(x, name)
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 256 * 5)
+    assert np.array_equal(_ours(x, name), ref)
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("kind", ["fp16_rows", "edge_rows", "fuzz_rows"])
+def test_dequantize_matches_gguf_py(inputs, name, kind):
+    """Our dequantize == gguf-py's numpy dequantize, bit for bit, on the same bytes
+    (llama.cpp's bytes when available, else ours)."""
+    x = inputs[kind]
+    raw = ggml_ref.ref_quantize(x, name) if ggml_ref.available() else _ours(x, name)
+    ours = qg.dequantize(torch.from_numpy(raw), name).numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # overflow in huge rows is part of the format
+        theirs = gguf_quants.dequantize(raw, GGMLQuantizationType[name])
+    assert _same_bits(ours, theirs.astype(np.float32))
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("kind", ["fp16_rows", "edge_rows", "fuzz_rows"])
+def test_dequantize_matches_llamacpp(inputs, name, kind):
+    x = inputs[kind]
+    raw = ggml_ref.ref_quantize(x, name)
+    ours = qg.dequantize(torch.from_numpy(raw), name).numpy()
+    assert _same_bits(ours, ggml_ref.ref_dequantize(raw, name))
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_arbitrary_bytes(name):
+    """Random bytes (every bit pattern of scales and quants, NaN/inf fp16 scales included)
+    dequantize exactly as llama.cpp's to_float."""
+    t = qg.get(name)
+    raw = np.random.default_rng(5).integers(0, 256, (64, 4 * t.type_size), dtype=np.uint8)
+    ours = qg.dequantize(torch.from_numpy(raw), name).numpy()
+    ref = ggml_ref.ref_dequantize(raw, name)
+    assert np.array_equal(np.isnan(ours), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert np.array_equal(ours[finite].view(np.uint32), ref[finite].view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- API
+
+@pytest.mark.parametrize("name", TYPES)
+def test_shapes_and_errors(name):
+    t = qg.get(name)
+    x = torch.randn(2, 3, 512)
+    raw = qg.quantize(x, name)
+    assert raw.shape == (2, 3, 512 // t.block_size * t.type_size) and raw.dtype == torch.uint8
+    y = qg.dequantize(raw, name)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert torch.equal(qg.quantize(x.half(), name), qg.quantize(x.half().float(), name))
+    with pytest.raises(ValueError):
+        qg.quantize(torch.randn(4, t.block_size + 16), name)
+    with pytest.raises(ValueError):
+        qg.dequantize(torch.zeros(4, t.type_size + 1, dtype=torch.uint8), name)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_round_trip_error_is_small(name):
+    """Sanity on the meaning of the bytes: relative RMS error of a Gaussian row is modest
+    and shrinks with the bit width (independent of the reference)."""
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0))
+    err = (qg.dequantize(qg.quantize(x, name), name) - x).pow(2).mean().sqrt().item()
+    limit = {"Q2_K": 0.45, "Q3_K": 0.25, "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.12,
+             "Q5_0": 0.07, "Q5_1": 0.07, "Q5_K": 0.06, "Q6_K": 0.03, "Q8_0": 0.01}[name]
+    assert err < limit, err
+
+
+def test_first_absmax_ties_and_zero_sign():
+    """C keeps the first element of strictly largest |x|, +0.0 for all-zero, never NaN."""
+    x = torch.tensor([[0.5, -0.5, 0.1], [-0.0, 0.0, -0.0], [float("nan"), -2.0, 2.0]])
+    for dim, xx in ((1, x), (0, x.T.contiguous())):
+        m, a = common.first_absmax(xx, dim)
+        assert m.tolist() == [0.5, 0.0, -2.0] and a.tolist() == [0.5, 0.0, 2.0]
+        assert not torch.signbit(m[1])
+
+
+def test_exact_helpers():
+    v = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 1e9, float("nan"), float("inf"), -4194303.0])
+    assert common.nearest_int(v).tolist() == [0, 2, 2, 0, -2, 3238696, 0, -4194304, -4194303]
+    q = torch.rand(100_000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    assert np.array_equal(common.sqrtf(q).numpy(), np.sqrt(q.numpy()))
+    a = torch.randn(100_000, generator=torch.Generator().manual_seed(2))
+    assert np.array_equal(common.fdiv(63.0, a).numpy(), np.float32(63.0) / a.numpy())

@@ -29,9 +29,17 @@ needs_llamacpp = pytest.mark.skipif(not ggml_ref.available(), reason="llama_cpp 
 # ----------------------------------------------------------------------------- inputs
 
 def _fp16_rows() -> np.ndarray:
-    """64 x 4096 rows of N(0, 0.02^2) rounded through float16 (typical checkpoint weights)."""
+    """128 x 4096 rows of N(0, 0.02^2) rounded through float16 (typical checkpoint weights)."""
     g = torch.Generator().manual_seed(1234)
-    return (torch.randn(64, 4096, generator=g) * 0.02).half().float().numpy()
+    return (torch.randn(128, 4096, generator=g) * 0.02).half().float().numpy()
+
+
+def _llm_like_rows() -> np.ndarray:
+    """32 x 4096 float32 rows with per-row scales and a few outlier columns (x20)."""
+    r = np.random.default_rng(99)
+    x = r.normal(0, 1, (32, 4096)) * 10.0 ** r.uniform(-3, 0, (32, 1))
+    x[:, r.choice(4096, 24, replace=False)] *= 20.0
+    return x.astype(np.float32)
 
 
 def _random_rows() -> np.ndarray:
@@ -107,9 +115,10 @@ def _fuzz_rows(seed: int, count: int = 192) -> np.ndarray:
 
 INPUTS = {
     "fp16_rows": _fp16_rows,
+    "llm_like_rows": _llm_like_rows,
     "random_rows": _random_rows,
     "edge_rows": _edge_rows,
-    "fuzz_rows": lambda: _fuzz_rows(11),
+    "fuzz_rows": lambda: np.concatenate([_fuzz_rows(11), _fuzz_rows(12)]),
 }
 
 

@@ -6,8 +6,10 @@ baseline (non-FMA) x86-64 build: one float32 rounding after every operation, in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -173,6 +175,31 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 CPU_SLICE_ELEMENTS = 1 << 18
 
 
+_threads_lock = threading.Lock()
+_threads_users = 0
+_threads_saved = 1
+
+
+@contextlib.contextmanager
+def _single_threaded_ops():
+    """Set torch's intra-op threads to 1 while any codec call is running (concurrent
+    calls share one save/restore), yielding the thread count in effect before."""
+    global _threads_users, _threads_saved
+    with _threads_lock:
+        if _threads_users == 0:
+            _threads_saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _threads_users += 1
+        saved = _threads_saved
+    try:
+        yield saved
+    finally:
+        with _threads_lock:
+            _threads_users -= 1
+            if _threads_users == 0:
+                torch.set_num_threads(_threads_saved)
+
+
 def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
@@ -180,7 +207,7 @@ def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
     :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated. The codecs issue
     thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading costs
     more than it brings (and stalls badly on a busy machine), so ops run single-threaded and
-    the slices are spread over ``torch.get_num_threads()`` Python threads instead (torch
+    the slices are spread over as many Python threads as torch had intra-op threads (torch
     releases the GIL inside ops). torch's thread setting is restored on return.
     """
     if x.device.type != "cpu":
@@ -188,17 +215,13 @@ def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
     nb, k = x.shape
     step = max(1, CPU_SLICE_ELEMENTS // max(1, k))
     slices = [x[i:i + step] for i in range(0, nb, step)]
-    workers = min(torch.get_num_threads(), len(slices))
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _single_threaded_ops() as threads:
+        workers = min(threads, len(slices))
         if workers > 1:
             with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
                 outs = list(pool.map(fn, slices))
         else:
             outs = [fn(s) for s in slices]
-    finally:
-        torch.set_num_threads(prev)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

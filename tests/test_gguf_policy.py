@@ -8,7 +8,13 @@ with convert_hf_to_gguf.py's ``--outtype f32|f16|bf16`` files. Expected types co
 from those files; the model facts given to ``plan_types`` are read from the F16 GGUF.
 
 Models: SmolLM2-135M (30 layers, width 576 -> fallbacks, tied, gqa 3), synthetic llama
-(16 layers, gqa 2, untied), qwen3 (gqa 4, q/k norms), a 32-layer llama with gqa 4, an 80-layer llama (LLM_TYPE_70B, tied) and an 8-expert mixtral.
+(16 layers, gqa 2, untied), qwen3 (gqa 4, q/k norms), a 32-layer llama with gqa 4, an
+80-layer llama (LLM_TYPE_70B, tied), an 8-expert mixtral and a 2-layer llama of width 48
+(fallbacks down to F16).
+
+Quantized outputs are read with a small GGUF header parser (``read_gguf``) because
+gguf.GGUFReader takes ~5 s per file on the 49k-token tokenizer arrays; one test checks the
+parser against GGUFReader.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ MODELS: dict[str, tuple[str, dict] | str] = {
     "llama_80l": ("llama", dict(num_hidden_layers=80, intermediate_size=256,
                                 tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_hidden_layers=8, intermediate_size=256)),
+    # rows of 48 (not a multiple of 32): the fallback's last resort, F16
+    "llama_w48": ("llama", dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2)),
 }
 # Every policy on SmolLM2 and the two standard synthetic models; on the extra models only the
 # policies whose types depend on what that model adds (gqa >= 4 and 32-layer counters,
@@ -314,7 +322,7 @@ def test_f16_policy_matches_convert_hf_to_gguf(refs, model):
     assert plan_types("F16", ref.tensors, ref.params) == ref.types
 
 
-@pytest.mark.parametrize("policy", ["F32", "BF16"])
+@pytest.mark.parametrize("policy", [p for p in FLOAT_POLICIES if p != "F16"])
 @pytest.mark.parametrize("model", FLOAT_MODELS)
 def test_float_policy_matches_convert_hf_to_gguf(refs, model, policy):
     ref = refs.info(model, policy.lower())
@@ -333,6 +341,8 @@ def test_reference_models_cover_the_branches(refs):
     smol = refs.info("smollm2")
     q4km = Counter(plan_types("Q4_K_M", smol.tensors, smol.params).values())
     assert q4km["Q5_0"] > 0 and q4km["Q8_0"] > 0  # fallbacks
+    w48 = refs.info("llama_w48")
+    assert "F16" in plan_types("Q4_K_M", w48.tensors, w48.params).values()
     big = refs.info("llama_80l")
     with_70b = plan_types("Q3_K_M", big.tensors, big.params)
     as_79 = plan_types("Q3_K_M", big.tensors, replace(big.params, n_layer=79))
@@ -402,3 +412,24 @@ def test_expressions_are_whitelisted():
     for bad in ("__import__('os')", "i.real", "x + 1", "[i for i in n]", "i ** 2", "blck"):
         with pytest.raises(ValueError):
             _Expr(bad)
+
+
+def test_fallback_chain():
+    params = ModelParams("llama", 1, 4, 4)
+    plan = plan_types("Q4_K_M", [("blk.0.attn_q.weight", (576, 576)), ("blk.0.attn_k.weight", (48, 48)),
+                                 ("blk.0.ffn_down.weight", (256, 96))], params)
+    assert plan == {"blk.0.attn_q.weight": "Q5_0",     # Q4_K -> Q5_0
+                    "blk.0.attn_k.weight": "F16",      # Q4_K -> Q5_0 -> F16 (48 % 32)
+                    "blk.0.ffn_down.weight": "Q8_0"}   # Q6_K (layer 0 of 1) -> Q8_0
+    assert plan_types("Q8_0", [("blk.0.attn_q.weight", (48, 48))], params) == {"blk.0.attn_q.weight": "F16"}
+
+
+def test_tied_embeddings_follow_output_rules():
+    tensors = [("token_embd.weight", (1024, 256)), ("blk.0.attn_q.weight", (256, 256))]
+    tied = plan_types("Q4_K_M", tensors, ModelParams("llama", 1, 4, 4))  # inferred: no output.weight
+    assert tied["token_embd.weight"] == "Q6_K"
+    untied = plan_types("Q4_K_M", tensors, ModelParams("llama", 1, 4, 4, has_output=True))
+    assert untied["token_embd.weight"] == "Q4_K"
+    with pytest.raises(ValueError, match="output.weight"):
+        plan_types("Q4_K_M", tensors + [("output.weight", (1024, 256))],
+                   ModelParams("llama", 1, 4, 4, has_output=False))

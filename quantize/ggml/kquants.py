@@ -269,17 +269,16 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     the_min = -min.
     """
     n = x.shape[0]
-    mn = x.amin(0)
+    xmin = x.amin(0)
     mx = x.amax(0)
     wx = w * x
     sum_w = _seq_sum_rows(w)
     sum_x = _seq_sum_rows(wx)               # starts with sum_w*x[0] = w[0]*x[0]
     del wx
-    mn = torch.where(mn > 0, 0.0, mn)
+    mn = torch.where(xmin > 0, 0.0, xmin)
     degenerate = mx == mn
     min0 = mn
 
-    xmin = x.amin(0)
     live = ~degenerate
     fast_ok = FAST_ROUNDING_ON_CPU and x.device.type == "cpu"
     T = None if fast_ok else torch.empty_like(x)
@@ -289,13 +288,13 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         nonlocal T
         if fast_ok:
-            # iscale >= 0, so iscale*(x - min) lies between the same expression at the block's
-            # smallest and largest x (rounding is monotonic): if that range is within the
-            # exact range of the float rounding path for every live sub-block (a host check,
-            # CPU only), use it; otherwise (never seen in practice) take C's integer path.
+            # x -> iscale*(x - min), rounded after each op, is monotonic in x, so every value
+            # lies between those at the block's smallest and largest x: if both ends are within
+            # the exact range of the float rounding path for every live sub-block (a host
+            # check, CPU only), use it; otherwise (never seen in practice) C's integer path.
             lo_v = (xmin - mn) * iscale
             hi_v = (mx - mn) * iscale
-            ok = (lo_v >= -_NI_SAFE) & (hi_v <= _NI_SAFE)
+            ok = (lo_v.abs() <= _NI_SAFE) & (hi_v.abs() <= _NI_SAFE)   # NaN -> False
             if bool((ok | ~live).all()):
                 torch.sub(x, mn, out=out)
                 out.mul_(iscale)            # iscale*(x - min)

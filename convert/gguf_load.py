@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,132 @@ def is_gguf(path: str | Path) -> bool:
             return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------------------------
+# Header
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+       11: "<i8", 12: "<f8"}
+#: string arrays longer than this are kept as their length only (vocabularies, merges)
+MAX_STRING_ARRAY = 4096
+
+
+@dataclass
+class TensorInfo:
+    """One tensor of a GGUF file: ``name``, ``ne`` (ggml order, ne[0] = row length), ggml
+    ``type`` name, absolute byte ``offset`` in the file and ``n_bytes``."""
+
+    name: str
+    ne: tuple[int, ...]
+    type: str
+    offset: int
+    n_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Torch order (``ne`` reversed)."""
+        return tuple(reversed(self.ne))
+
+
+class StringArray(int):
+    """Placeholder for a long string array (its length); the strings themselves are skipped."""
+
+
+def read_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
+    """Metadata (key → value; string arrays longer than :data:`MAX_STRING_ARRAY` become a
+    :class:`StringArray` holding their length) and tensor infos of a GGUF v2/v3 file, parsed
+    with ``struct`` from a memory map (gguf-py's GGUFReader decodes every vocabulary string
+    into numpy views, which takes seconds for a 50k-token vocabulary). Layout: gguf.md §2.
+    Raises InputError for a file that is not GGUF or is truncated."""
+    import mmap
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    p = Path(path)
+    with open(p, "rb") as f:
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            raise InputError(f"{p}: not a readable GGUF file (empty)") from None
+    try:
+        pos = 0
+
+        def take(fmt):
+            nonlocal pos
+            v = struct.unpack_from(fmt, mm, pos)
+            pos += struct.calcsize(fmt)
+            return v[0]
+
+        def string():
+            nonlocal pos
+            n = take("<Q")
+            b = mm[pos:pos + n]
+            if len(b) != n:
+                raise struct.error("truncated string")
+            pos += n
+            return b.decode("utf-8", errors="replace")
+
+        def value(t):
+            nonlocal pos
+            if t == 8:
+                return string()
+            if t == 9:
+                et, n = take("<I"), take("<Q")
+                if et == 8:
+                    if n > MAX_STRING_ARRAY:
+                        for _ in range(n):
+                            pos += 8 + struct.unpack_from("<Q", mm, pos)[0]
+                        return StringArray(n)
+                    return [string() for _ in range(n)]
+                if et in _NP:
+                    a = np.frombuffer(mm, dtype=_NP[et], count=n, offset=pos).copy()
+                    pos += a.nbytes
+                    return a.tolist()
+                return [value(et) for _ in range(n)]
+            return take(_SCALARS[t])
+
+        if mm[:4] != GGUF_MAGIC:
+            raise InputError(f"{p}: not a GGUF file (magic {bytes(mm[:4])!r})")
+        try:
+            pos = 4
+            version = take("<I")
+            if version not in (2, 3):
+                raise InputError(f"{p}: not a readable GGUF file (version {version}; 2 or 3 expected)")
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            meta = {}
+            for _ in range(n_kv):
+                key = string()
+                meta[key] = value(take("<I"))
+            raw = []
+            for _ in range(n_tensors):
+                name = string()
+                nd = take("<I")
+                ne = tuple(take("<Q") for _ in range(nd))
+                raw.append((name, ne, take("<I"), take("<Q")))
+        except (struct.error, KeyError, UnicodeDecodeError) as e:
+            raise InputError(f"{p}: not a readable GGUF file (truncated or corrupt header: {e})") from None
+        align = int(meta.get("general.alignment", 32))
+        data_start = pos + (align - pos % align) % align
+        infos = []
+        for name, ne, t, off in raw:
+            try:
+                tname = GGMLQuantizationType(t).name
+                bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+            except (ValueError, KeyError):
+                raise InputError(f"{p}: tensor '{name}' has unknown ggml type id {t}") from None
+            n = 1
+            for d in ne:
+                n *= d
+            nbytes = n // bs * ts
+            if data_start + off + nbytes > len(mm):
+                raise InputError(f"{p}: truncated: tensor '{name}' ends past the end of the file")
+            infos.append(TensorInfo(name, ne, tname, data_start + off, nbytes))
+        return meta, infos
+    finally:
+        mm.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,35 +247,29 @@ class GGUFWeights:
     llama/qwen2/qwen3, or a tensor name is unknown."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGMLQuantizationType, GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such file")
-        try:
-            self.reader = GGUFReader(str(self.path))
-        except Exception as e:  # gguf-py raises ValueError / struct / numpy errors
-            raise InputError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.metadata = {k: f.contents() for k, f in self.reader.fields.items()
-                         if not k.startswith("GGUF.")}
+        self.metadata, infos = read_header(self.path)
         self.arch = self.metadata.get("general.architecture")
         if self.arch is None:
             raise InputError(f"{self.path}: no general.architecture key")
         if self.metadata.get("general.type", "model") != "model":
             raise InputError(f"{self.path}: general.type is '{self.metadata['general.type']}', "
                              f"not a model")
-        self._tensors = {}
+        self._tensors: dict[str, TensorInfo] = {}
         self.types: dict[str, str] = {}
         self.gguf_names: dict[str, str] = {}
         self.has_rope_freqs = False
-        for rt in self.reader.tensors:
-            hf = hf_tensor_name(rt.name, self.arch)
+        for ti in infos:
+            hf = hf_tensor_name(ti.name, self.arch)
             if hf is None:
                 self.has_rope_freqs = True
                 continue
-            self._tensors[hf] = rt
-            self.types[hf] = GGMLQuantizationType(rt.tensor_type).name
-            self.gguf_names[hf] = rt.name
+            self._tensors[hf] = ti
+            self.types[hf] = ti.type
+            self.gguf_names[hf] = ti.name
+        self._mm = None
 
     def keys(self):
         """HF names of the tensors in the file."""
@@ -162,28 +284,29 @@ class GGUFWeights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Torch-order shape of HF tensor ``name`` (ggml ``ne`` reversed)."""
-        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+        return self._tensors[name].shape
 
     def raw(self, name: str) -> np.ndarray:
-        """Stored bytes of ``name``: uint8 [rows, row_bytes] (memory-mapped)."""
-        rt = self._tensors[name]
-        t = ggml.get(self.types[name])
-        data = np.asarray(rt.data).view(np.uint8)
-        return data.reshape(-1, t.row_bytes(int(rt.shape[0])))
+        """Stored bytes of ``name``: uint8 [rows, row_bytes] (memory-mapped, read-only)."""
+        ti = self._tensors[name]
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        t = ggml.get(ti.type)
+        return self._mm[ti.offset: ti.offset + ti.n_bytes].reshape(-1, t.row_bytes(ti.ne[0]))
 
     def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """HF tensor ``name`` dequantized on ``device`` (float32, or ``dtype``), in HF layout
         (llama q/k rows un-permuted). Raises InputError naming the file and tensor when it is
         absent or of a ggml type quantpress cannot dequantize."""
-        rt = self._tensors.get(name)
-        if rt is None:
+        ti = self._tensors.get(name)
+        if ti is None:
             raise InputError(f"{self.path}: tensor '{name}' not found (GGUF name "
                              f"'{_guess_gguf(name, self.arch)}')")
         tname = self.types[name]
         try:
             ggml.get(tname)
         except KeyError:
-            raise InputError(f"{self.path}: tensor '{rt.name}' has ggml type {tname}, which "
+            raise InputError(f"{self.path}: tensor '{ti.name}' has ggml type {tname}, which "
                              f"quantpress cannot dequantize (supported: {', '.join(ggml.names())})") from None
         raw = torch.from_numpy(np.array(self.raw(name), copy=True)).to(device)
         t = ggml.dequantize(raw, tname).reshape(self.shape(name))

@@ -1,10 +1,13 @@
 """``quantize``: quantization verbs.
 
   quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf   (llama-quantize's job, verified)
+  quantize imatrix MODEL -o imatrix.gguf [--calib FILE] [--samples N --seqlen L]
+  quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from cli.common import run_command
@@ -23,13 +26,62 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     g.add_argument("--report", help="write the round-trip report as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    m = sub.add_parser("imatrix", help="llama.cpp importance matrix (GGUF imatrix file for "
+                                       "llama-quantize --imatrix)")
+    m.add_argument("model", help="Hugging Face model directory or GGUF file")
+    m.add_argument("-o", "--output", required=True, help="output imatrix .gguf path")
+    m.add_argument("--calib", help="calibration text: .txt/.utf8/.md (one document), .json/.jsonl "
+                                   "or .parquet (default: calibration split of exllamav2's wiki.utf8)")
+    m.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
+    m.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
+    m.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
+    m.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    _common(m)
+    m.add_argument("--force", action="store_true", help="overwrite an existing output")
+    m.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    e = sub.add_parser("eval", help="perplexity and KL divergence against the base model "
+                                    "(llama-perplexity conventions)")
+    e.add_argument("base", help="base model: Hugging Face directory or GGUF file")
+    e.add_argument("outputs", nargs="*", help="models to compare with the base (GGUF files, HF directories)")
+    e.add_argument("--text", help="UTF-8 text file (default: held-out split of exllamav2's wiki.utf8)")
+    e.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512; the second half is scored)")
+    e.add_argument("--chunks", type=int, help="evaluate only the first N chunks")
+    _common(e)
+    e.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="compute dtype (default float32)")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward batch (default 4096)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def go() -> int:
+        if args.verb == "imatrix":
+            from cli.calib_pipeline import compute_imatrix
+
+            s = compute_imatrix(args.model, args.output, calib=args.calib, calib_field=args.calib_field,
+                                samples=args.samples, seqlen=args.seqlen, seed=args.seed,
+                                device=args.device, dtype=args.dtype, batch_tokens=args.batch_tokens,
+                                force=args.force, progress=not args.quiet)
+            print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
+            return 0
+        if args.verb == "eval":
+            from cli.calib_pipeline import evaluate
+
+            r = evaluate(args.base, args.outputs, text=args.text, ctx=args.ctx, chunks=args.chunks,
+                         device=args.device, dtype=args.dtype, batch_tokens=args.batch_tokens,
+                         progress=not args.quiet)
+            print(json.dumps(r.to_json(), indent=1) if args.json else r.text_table())
+            return 0
         from cli.gguf_pipeline import gguf_requantize
 
         s = gguf_requantize(args.input, args.output, args.policy, force=args.force,

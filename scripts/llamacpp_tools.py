@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""llama.cpp's command-line tools and reference GGUFs of SmolLM2, built once and cached.
+
+- ``tools()``: ``llama-quantize``, ``llama-perplexity`` and ``llama-imatrix`` compiled from the
+  pinned source (``assets.llamacpp_src()``, llama.cpp 0c1e57098 as vendored in
+  llama-cpp-python 0.3.36) with the CMake line of shared/specs/gguf.md §0 (static, Release,
+  no CURL/tests/examples/server). About 4 minutes on 2 cores the first time, then taken from
+  ``<cache>/ref/llama_cpp_tools-0.3.36/bin``. llama-cpp-python ships only the shared
+  libraries; the imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
+  written by ``llama-imatrix``, which the Python bindings do not expose.
+- ``smollm2_gguf("f16"|"q8_0")``: SmolLM2-135M-Instruct converted by llama.cpp's own
+  ``convert_hf_to_gguf.py --outtype f16`` (and ``llama_model_quantize`` to Q8_0), cached
+  under ``<cache>/ref/smollm2-gguf/``: reference inputs for tests and benchmarks.
+
+Usage: ``python scripts/llamacpp_tools.py`` builds and prints the bin directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import assets  # noqa: E402
+
+TARGETS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+               "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF"]
+
+
+def build_dir() -> Path:
+    return assets.cache_root() / "ref" / f"llama_cpp_tools-{assets.LLAMA_CPP_PYTHON}"
+
+
+def tools() -> Path:
+    """Directory holding the built ``llama-quantize``, ``llama-perplexity`` and
+    ``llama-imatrix`` (built on first use; raises CalledProcessError with the build log's tail
+    if cmake fails)."""
+    b = build_dir()
+    bindir = b / "bin"
+    if all((bindir / t).is_file() for t in TARGETS):
+        return bindir
+    src = assets.llamacpp_src()
+    b.mkdir(parents=True, exist_ok=True)
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    flags = [f for f in CMAKE_FLAGS if f not in ("-G", "Ninja")]
+    with open(b / "build.log", "w") as log:
+        subprocess.run(["cmake", "-S", str(src), "-B", str(b), *gen, *flags], check=True,
+                       stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+                       check=True, stdout=log, stderr=subprocess.STDOUT)
+    return bindir
+
+
+def tool(name: str) -> Path:
+    """Path of one tool (``llama-imatrix`` …), building them if needed."""
+    return tools() / name
+
+
+def smollm2_gguf(outtype: str = "f16") -> Path:
+    """SmolLM2-135M-Instruct as a GGUF made by llama.cpp itself: ``f16`` from
+    ``convert_hf_to_gguf.py --outtype f16``; ``q8_0`` from that file by
+    ``llama_model_quantize(ftype=MOSTLY_Q8_0)``. Cached."""
+    out_dir = assets.cache_root() / "ref" / "smollm2-gguf"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f16 = out_dir / "SmolLM2-135M-Instruct-F16.gguf"
+    if not f16.is_file():
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            t = Path(tmp, f16.name)
+            env = dict(os.environ, HF_HUB_OFFLINE="1")
+            subprocess.run([sys.executable, str(assets.llamacpp_src() / "convert_hf_to_gguf.py"),
+                            str(assets.smollm2_dir()), "--outtype", "f16", "--outfile", str(t)],
+                           check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            t.rename(f16)
+    if outtype == "f16":
+        return f16
+    if outtype != "q8_0":
+        raise ValueError(f"outtype {outtype!r}: f16 or q8_0")
+    q8 = out_dir / "SmolLM2-135M-Instruct-Q8_0.gguf"
+    if not q8.is_file():
+        import ctypes
+
+        import llama_cpp
+
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            t = Path(tmp, q8.name)
+            p = llama_cpp.llama_model_quantize_default_params()
+            p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+            p.nthread = 2
+            rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(t).encode(), ctypes.byref(p))
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize(Q8_0) returned {rc}")
+            t.rename(q8)
+    return q8
+
+
+if __name__ == "__main__":
+    print(tools())

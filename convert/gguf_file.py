@@ -143,7 +143,8 @@ def _stats(src: torch.Tensor, deq: torch.Tensor) -> tuple[float, float, float]:
     sig = float(torch.dot(src, src))
     n = max(1, src.numel())
     snr = math.inf if se == 0 else (10 * math.log10(sig / se) if sig > 0 else -math.inf)
-    return math.sqrt(se / n), float(e.abs().max()) if e.numel() else 0.0, snr
+    lo, hi = torch.aminmax(e) if e.numel() else (torch.zeros(()), torch.zeros(()))
+    return math.sqrt(se / n), max(-float(lo), float(hi)), snr
 
 
 def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],

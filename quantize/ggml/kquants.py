@@ -389,6 +389,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
 
 
+@sliced
 def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q2_K``: uint8 [nb, 84] -> float32 [nb, 256],
     ``(d * (sc & 15)) * q - dmin * (sc >> 4)`` per sub-block of 16."""
@@ -444,6 +445,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
                       fp16_bytes(d)], dim=1)
 
 
+@sliced
 def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q3_K``: uint8 [nb, 110] -> float32 [nb, 256],
     ``(d * (sc - 32)) * (q - (hmask bit ? 0 : 4))`` per sub-block of 16."""
@@ -510,6 +512,7 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qs], dim=1)
 
 
+@sliced
 def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q4_K``: uint8 [nb, 144] -> float32 [nb, 256],
     ``(d * sc) * q - dmin * m`` per sub-block of 32."""
@@ -544,6 +547,7 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
 
 
+@sliced
 def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q5_K``: uint8 [nb, 176] -> float32 [nb, 256],
     ``(d * sc) * q - dmin * m`` per sub-block of 32, q with its qh bit."""
@@ -597,6 +601,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(zero, 0)
 
 
+@sliced
 def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q6_K``: uint8 [nb, 210] -> float32 [nb, 256],
     ``(d * sc) * (q - 32)`` per sub-block of 16."""

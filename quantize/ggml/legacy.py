@@ -83,6 +83,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), _nibbles(q, False)], dim=1)
 
 
+@sliced
 def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q4_0``: uint8 [nb, 18] -> float32 [nb, 32], (q - 8) * d."""
     d = bytes_fp16(b[:, 0:2])
@@ -105,6 +106,7 @@ def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), fp16_bytes(mn), _nibbles(q, False)], dim=1)
 
 
+@sliced
 def dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q4_1``: uint8 [nb, 20] -> float32 [nb, 32], q * d + m."""
     d = bytes_fp16(b[:, 0:2])
@@ -128,6 +130,7 @@ def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), _qh_bits(q), _nibbles(q, True)], dim=1)
 
 
+@sliced
 def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q5_0``: uint8 [nb, 22] -> float32 [nb, 32], (q - 16) * d."""
     d = bytes_fp16(b[:, 0:2])
@@ -150,6 +153,7 @@ def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fp16_bytes(d), fp16_bytes(mn), _qh_bits(q), _nibbles(q, True)], dim=1)
 
 
+@sliced
 def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q5_1``: uint8 [nb, 24] -> float32 [nb, 32], q * d + m."""
     d = bytes_fp16(b[:, 0:2])

@@ -57,6 +57,17 @@ def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def _seq_sum_into(rows, out: torch.Tensor) -> torch.Tensor:
+    """Sequential float32 sum ``out = rows[0]; out += rows[i]`` for i = 1, 2, ... into the
+    preallocated ``out``; ``rows`` are views bound once (e.g. ``p.unbind(0)``): indexing a
+    tensor per position costs as much as the add on CPU."""
+    out.copy_(rows[0])
+    add = out.add_
+    for r in rows[1:]:
+        add(r)
+    return out
+
+
 def _positive_max(s: torch.Tensor) -> torch.Tensor:
     """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]
     (+0.0 when nothing is > 0; NaN ignored)."""
@@ -268,22 +279,28 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     Constant sub-blocks (max == min after min is capped at 0) give scale 0, L 0 and
     the_min = -min.
     """
-    n = x.shape[0]
-    xmin = x.amin(0)
-    mx = x.amax(0)
+    n, S = x.shape
+    dev = x.device
+    ends = torch.stack([x.amin(0), x.amax(0)])      # [xmin, max] per sub-block
+    xmin, mx = ends[0], ends[1]
+    # per-sub-block scalars live in rows of small buffers, so that one op updates several
+    V = torch.empty((5, S), device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
+    sum_x, sum_w = V[0], V[1]
+    _seq_sum_into(w.unbind(0), sum_w)
     wx = w * x
-    sum_w = _seq_sum_rows(w)
-    sum_x = _seq_sum_rows(wx)               # starts with sum_w*x[0] = w[0]*x[0]
+    _seq_sum_into(wx.unbind(0), sum_x)      # starts with sum_w*x[0] = w[0]*x[0]
     del wx
-    mn = torch.where(xmin > 0, 0.0, xmin)
-    degenerate = mx == mn
-    min0 = mn
+    mn0 = torch.where(xmin > 0, 0.0, xmin)
+    degenerate = mx == mn0
+    dead = degenerate if bool(degenerate.any()) else None
 
-    live = ~degenerate
     fast_ok = FAST_ROUNDING_ON_CPU and x.device.type == "cpu"
     T = None if fast_ok else torch.empty_like(x)
     E = torch.empty_like(x)
-    p = torch.empty((n, 3) + x.shape[1:], dtype=x.dtype, device=x.device)
+    E_rows = E.unbind(0)
+    p = torch.empty((n, 3, S), dtype=x.dtype, device=dev)      # w*l*l, w*l, w*l*x
+    p_rows = p.unbind(0)
+    chk = torch.empty((2, S), device=dev)
 
     def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         nonlocal T
@@ -292,20 +309,24 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
             # lies between those at the block's smallest and largest x: if both ends are within
             # the exact range of the float rounding path for every live sub-block (a host
             # check, CPU only), use it; otherwise (never seen in practice) C's integer path.
-            lo_v = (xmin - mn) * iscale
-            hi_v = (mx - mn) * iscale
-            ok = (lo_v.abs() <= _NI_SAFE) & (hi_v.abs() <= _NI_SAFE)   # NaN -> False
-            if bool((ok | ~live).all()):
+            # There round() (half to even) equals nearest_int; it may give -0.0 where C has
+            # +0, which changes no sum or error (only the sign of an all-zero sum, for which
+            # D = 0 and the fit is not taken) and no integer level.
+            torch.sub(ends, mn, out=chk)
+            chk.mul_(iscale).abs_()
+            if dead is not None:
+                chk.masked_fill_(dead, 0.0)
+            if bool(chk.amax() <= _NI_SAFE):            # NaN -> False
                 torch.sub(x, mn, out=out)
                 out.mul_(iscale)            # iscale*(x - min)
-                return _round_clamp_(out, 0, nmax)
+                return out.round_().clamp_(0, nmax)
             if T is None:
                 T = torch.empty_like(x)
         torch.sub(x, mn, out=T)
         T.mul_(iscale)                      # iscale*(x - min)
         return _ni_clamp_(T, 0, nmax, out)
 
-    def error(scale: torch.Tensor, mn: torch.Tensor, la: torch.Tensor) -> torch.Tensor:
+    def error(scale: torch.Tensor, mn: torch.Tensor, la: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         torch.mul(la, scale, out=E)         # scale*L
         E.add_(mn)                          # + min
         E.sub_(x)                           # - x
@@ -314,41 +335,56 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         else:
             E.mul_(E)
         E.mul_(w)
-        return _seq_sum_rows(E)
+        return _seq_sum_into(E_rows, out)
 
-    iscale = fdiv(float(nmax), mx - mn)
-    scale = fdiv(1.0, iscale)
+    # state: ST = [sel_iscale, sel_shift, best, scale, min]; the step's candidate
+    # NEW = [iscale, min used, error, this_scale, this_min]; an accepted step copies NEW
+    # into ST (the L kept is recomputed at the end from its inverse scale and shift)
+    ST = torch.empty((5, S), device=dev)
+    NEW = torch.empty((5, S), device=dev)
+    sel_iscale, sel_shift, best, scale, mn = ST.unbind(0)
+    iscale, mn_used, cur, this_scale, this_min = NEW.unbind(0)
+    Q = torch.empty((6, S), device=dev)
+    R = torch.empty((3, S), device=dev)     # D, D*this_scale, D*this_min numerators
+    den = torch.empty(S, device=dev)
+    alt = torch.empty(S, device=dev)
+    pos = torch.empty(S, dtype=torch.bool, device=dev)
+    take = torch.empty(S, dtype=torch.bool, device=dev)
+
+    mn.copy_(mn0)
+    sel_shift.copy_(mn0)
+    torch.sub(mx, mn, out=den)
+    torch.div(torch.full_like(den, float(nmax)), den, out=sel_iscale)
+    torch.div(torch.ones_like(den), sel_iscale, out=scale)
     la = torch.empty_like(x)
-    best = error(scale, mn, quant(iscale, mn, la))
-    # the L kept is recomputed at the end from the (inverse scale, shift) that produced it
-    sel_iscale, sel_shift = iscale, mn
-    wl = p[:, 0]
+    error(scale, mn, quant(sel_iscale, mn, la), best)
     for k in range(nstep + 1):
         # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
         num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
-        iscale = fdiv(num, mx - mn)
+        torch.sub(mx, mn, out=den)
+        torch.div(torch.full_like(den, num), den, out=iscale)
+        mn_used.copy_(mn)
         quant(iscale, mn, la)
-        torch.mul(w, la, out=wl)            # w*l
-        torch.mul(wl, la, out=p[:, 1])      # (w*l)*l
-        torch.mul(wl, x, out=p[:, 2])       # (w*l)*x
-        s = _seq_sum_rows(p)
-        sum_l, sum_l2, sum_xl = s[0], s[1], s[2]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = fdiv(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = fdiv(sum_l2 * sum_x - sum_l * sum_xl, D)
-        pos = this_min > 0
-        this_min = torch.where(pos, 0.0, this_min)
-        this_scale = torch.where(pos, fdiv(sum_xl, sum_l2), this_scale)
-        cur = error(this_scale, this_min, la)
-        take = (D > 0) & (cur < best)
-        sel_iscale = torch.where(take, iscale, sel_iscale)
-        sel_shift = torch.where(take, mn, sel_shift)
-        best = torch.where(take, cur, best)
-        scale = torch.where(take, this_scale, scale)
-        mn = torch.where(take, this_min, mn)
+        torch.mul(w, la, out=p[:, 1])       # w*l
+        torch.mul(p[:, 1], la, out=p[:, 0])  # (w*l)*l
+        torch.mul(p[:, 1], x, out=p[:, 2])  # (w*l)*x
+        _seq_sum_into(p_rows, V[2:5])       # sum_l2, sum_l, sum_xl
+        torch.mul(V[2::2], sum_w, out=Q[0:2])   # sum_w*sum_l2, sum_w*sum_xl
+        torch.mul(V[2:4], sum_x, out=Q[2::2])   # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
+        torch.mul(V[3:5], V[3], out=Q[3::2])    # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
+        torch.sub(Q[0:3], Q[3:6], out=R)    # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
+        torch.div(R[1:3], R[0], out=NEW[3:5])   # this_scale, this_min
+        torch.gt(this_min, 0, out=pos)
+        this_min.masked_fill_(pos, 0.0)
+        torch.div(V[4], V[2], out=alt)      # sum_xl / sum_l2
+        torch.where(pos, alt, this_scale, out=this_scale)
+        error(this_scale, this_min, la, cur)
+        torch.gt(R[0], 0, out=take)
+        take &= cur < best
+        torch.where(take, NEW, ST, out=ST)
     L = quant(sel_iscale, sel_shift, la)
     scale = torch.where(degenerate, 0.0, scale)
-    the_min = -torch.where(degenerate, min0, mn)
+    the_min = -torch.where(degenerate, mn0, mn)
     L.masked_fill_(degenerate, 0.0)
     return scale, the_min, L
 

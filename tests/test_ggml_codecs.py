@@ -154,9 +154,10 @@ def test_quantize_matches_llamacpp(inputs, name, kind):
 
 
 @needs_llamacpp
-@pytest.mark.parametrize("name", ["Q2_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
-    """make_qkx2_quants' C integer rounding path (used off-CPU) gives the same bytes."""
+    """make_qkx2_quants' and the requantization's C integer rounding path (used off-CPU)
+    gives the same bytes."""
     monkeypatch.setattr(kquants, "FAST_ROUNDING_ON_CPU", False)
     x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64]])
     assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))

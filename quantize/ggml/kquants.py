@@ -30,11 +30,6 @@ GROUP_MAX_EPS = f32(1e-15)
 
 # ============================================================================ helpers
 
-def _ni_clamp(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """``MAX(lo, MIN(hi, nearest_int(v)))`` as float32 (exact small integers)."""
-    return nearest_int(v).clamp_(lo, hi).to(torch.float32)
-
-
 def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
     """float32 [nb, 256] -> [n, nb * (256 // n)]: sub-blocks of n elements as columns."""
     nb = x.shape[0]
@@ -51,9 +46,11 @@ def _blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
 
 def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
     """Sequential float32 sum over axis 0 (``acc += p[i]`` for i = 0, 1, ...): [n, ...] -> [...]."""
-    acc = p[0].clone()
-    for i in range(1, p.shape[0]):
-        acc += p[i]
+    rows = p.unbind(0)
+    acc = rows[0].clone()
+    add = acc.add_
+    for r in rows[1:]:
+        add(r)
     return acc
 
 
@@ -75,7 +72,7 @@ def _positive_max(s: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
-    """int32 [nb, 256] of 0..3 -> uint8 [nb, 64]:
+    """int32 or uint8 [nb, 256] of 0..3 -> uint8 [nb, 64]:
     ``qs[32h + l] = L[128h+l] | L[128h+l+32] << 2 | L[128h+l+64] << 4 | L[128h+l+96] << 6``."""
     q = L.reshape(-1, 2, 4, 32)
     out = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
@@ -135,6 +132,41 @@ def _round_clamp_(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return v.add_(_MAGIC).sub_(_MAGIC).clamp_(lo, hi)
 
 
+def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: int, hi: int,
+             L: torch.Tensor) -> torch.Tensor:
+    """Requantization with the stored scales: ``MAX(lo, MIN(hi, nearest_int((x + m_j)/d_j))) - lo``
+    (``x/d_j`` when ``mj`` is None) as float32 [n, S], and ``L`` kept in sub-blocks with
+    ``d_j == 0`` (C skips them). ``xs`` float32 [n, S]; ``mj``, ``dj`` float32 [1, S].
+
+    On CPU, (x + m_j)/d_j, rounded after each op, is monotonic in x, so when its values at
+    each sub-block's smallest and largest x are within ±4194303 (checked on the host) the
+    float rounding path (round half to even, exact there) is used; otherwise C's integer path.
+    """
+    zero_dj = dj == 0
+    any_zero = bool(zero_dj.any())
+    t = xs + mj if mj is not None else xs.clone()
+    fast = False
+    if FAST_ROUNDING_ON_CPU and xs.device.type == "cpu":
+        lo_x, hi_x = torch.aminmax(xs, dim=0)
+        e = torch.stack([lo_x, hi_x])
+        if mj is not None:
+            e += mj
+        e.div_(dj).abs_()
+        if any_zero:
+            e.masked_fill_(zero_dj, 0.0)
+        fast = bool(e.amax() <= _NI_SAFE)           # NaN -> False
+    t.div_(dj)
+    if fast:
+        t.round_().clamp_(lo, hi)
+    else:
+        t = _ni_clamp_(t, lo, hi, torch.empty_like(t))
+    if lo:
+        t.sub_(lo)
+    if any_zero:
+        t = torch.where(zero_dj, L, t)
+    return t
+
+
 def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
 
@@ -143,44 +175,63 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     weighted least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding
     integers 0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
     """
-    n = x.shape[0]
+    n, S = x.shape
+    dev = x.device
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
+    any_zero = bool(zero.any())
     w = x * x
-    wx = w * x
+    wwx = torch.stack([w * x, w], 1)        # [n, 2, S]: w*x, w
+    del w
     la = torch.empty_like(x)
-    p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
+    la2 = la.unsqueeze(1)
+    p = torch.empty((n, 2, S), dtype=x.dtype, device=dev)
+    p_rows = p.unbind(0)
+    pl2 = p[:, 1]
+    # ST = [sel (the inverse scale whose L is kept), scale, best]; NEW: the step's candidate
+    ST = torch.empty((3, S), device=dev)
+    NEW = torch.empty((3, S), device=dev)
+    sel, scale, best = ST.unbind(0)
+    iscale, this_scale, this_best = NEW.unbind(0)
+    s = torch.empty((2, S), device=dev)
+    sumlx, suml2 = s.unbind(0)
+    take = torch.empty(S, dtype=torch.bool, device=dev)
+    t2 = torch.empty(S, device=dev)
 
-    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sums(iscale: torch.Tensor) -> None:
         # |iscale*x| <= (nmax + 1)*(1 + eps) in every sub-block with max|x| >= 1e-15 (the
-        # others are masked at the end), so the float rounding path is exact
+        # others are masked at the end), so rounding with round() (half to even) is exact
+        # (-0.0 for C's 0 changes no sum: the max element's level is never 0)
         torch.mul(x, iscale, out=la)        # iscale*x
-        _round_clamp_(la, -nmax, nmax - 1)
-        torch.mul(wx, la, out=p[:, 0])      # (w*x)*l
-        torch.mul(w, la, out=p[:, 1])
-        p[:, 1].mul_(la)                    # (w*l)*l
-        s = _seq_sum_rows(p)
-        return s[0], s[1]
+        la.round_().clamp_(-nmax, nmax - 1)
+        torch.mul(wwx, la2, out=p)          # (w*x)*l, w*l
+        pl2.mul_(la)                        # (w*l)*l
+        _seq_sum_into(p_rows, s)
 
-    sel = fdiv(float(-nmax), mx)            # the inverse scale whose L is kept
-    sumlx, suml2 = sums(sel)
-    scale = torch.where(suml2 != 0, fdiv(sumlx, suml2), 0.0)
-    best = scale * sumlx
+    torch.div(torch.full_like(mx, float(-nmax)), mx, out=sel)
+    sums(sel)
+    torch.div(sumlx, suml2, out=scale)
+    scale.masked_fill_(suml2 == 0, 0.0)
+    torch.mul(scale, sumlx, out=best)
     for step in range(-9, 10):
         if step == 0:
             continue
         # C: -(nmax + 0.1f*is) / max
         num = f32(nmax + f32(f32(0.1) * step))
-        iscale = fdiv(-num, mx)
-        sumlx, suml2 = sums(iscale)
-        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        sel = torch.where(take, iscale, sel)
-        scale = torch.where(take, fdiv(sumlx, suml2), scale)
-        best = torch.where(take, scale * sumlx, best)
+        torch.div(torch.full_like(mx, -num), mx, out=iscale)
+        sums(iscale)
+        torch.mul(sumlx, sumlx, out=t2)
+        torch.gt(t2, torch.mul(best, suml2), out=take)
+        take &= suml2 > 0
+        torch.div(sumlx, suml2, out=this_scale)
+        torch.mul(this_scale, sumlx, out=this_best)
+        torch.where(take, NEW, ST, out=ST)
     # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
-    L = _round_clamp_(torch.mul(x, sel, out=la), -nmax, nmax - 1)
-    scale = torch.where(zero, 0.0, scale)
-    L.add_(nmax).masked_fill_(zero, 0.0)
+    torch.mul(x, sel, out=la)
+    L = la.round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    if any_zero:
+        scale = torch.where(zero, 0.0, scale)
+        L.masked_fill_(zero, 0.0)
     return scale, L
 
 
@@ -418,10 +469,9 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     # requantize with the stored (fp16) super-block scales
     dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
     mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
-    Lr = _ni_clamp(fdiv(xs + mj, dj.expand_as(xs)), 0, 3)
-    L = torch.where(dj != 0, Lr, L)
+    L = _requant(xs, mj, dj, 0, 3, L)
 
-    Lb = _blocks_first(L, nb).to(torch.int32)
+    Lb = _blocks_first(L.to(torch.uint8), nb)
     return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
 
 
@@ -468,12 +518,11 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
 
     # requantize: sc = stored 6-bit scale - 32 (-32 when the scales are all zero)
     dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
-    Lr = _ni_clamp(fdiv(xs, dj.expand_as(xs)), -4, 3) + 4
-    L = torch.where(dj != 0, Lr, L)
+    L = _requant(xs, None, dj, -4, 3, L)
 
-    Lb = _blocks_first(L, nb).to(torch.int32)
+    Lb = _blocks_first(L.to(torch.uint8), nb)
     high = Lb > 3
-    Lb = torch.where(high, Lb - 4, Lb)
+    Lb = Lb & 3
     hb = high.to(torch.int32).reshape(nb, 8, 32)
     shifts = torch.arange(8, device=x.device, dtype=torch.int32).reshape(1, 8, 1)
     hmask = (hb << shifts).sum(1, dtype=torch.int32)
@@ -505,7 +554,7 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
 
 def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     """Shared part of quantize_row_q4_K_ref / q5_K_ref: sub-block fits, 6-bit scales/mins,
-    fp16 d/dmin and the requantized L (int32 [nb, 256], 0..nmax)."""
+    fp16 d/dmin and the requantized L (uint8 [nb, 256], 0..nmax)."""
     nb = x.shape[0]
     xs = _positions_first(x, 32)
     sum_x2 = _seq_sum_rows(xs * xs)
@@ -527,9 +576,8 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
 
     dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
     mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
-    Lr = _ni_clamp(fdiv(xs + mj, dj.expand_as(xs)), 0, nmax)
-    L = torch.where(dj != 0, Lr, L)
-    Lb = _blocks_first(L, nb).to(torch.int32)
+    L = _requant(xs, mj, dj, 0, nmax, L)
+    Lb = _blocks_first(L.to(torch.uint8), nb)
     head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), _pack_scale_min_k4(ls, lm)], dim=1)
     return head, Lb
 
@@ -575,8 +623,8 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     q = L.reshape(-1, 4, 2, 32)
     a, bb = q[:, :, 0], q[:, :, 1]
     ha, hb = a > 15, bb > 15
-    a = torch.where(ha, a - 16, a)
-    bb = torch.where(hb, bb - 16, bb)
+    a = a & 15
+    bb = bb & 15
     qs = (a | (bb << 4)).to(torch.uint8).reshape(-1, 128)
     shifts = torch.arange(0, 8, 2, device=x.device, dtype=torch.int32).reshape(1, 4, 1)
     qh = ((ha.to(torch.int32) << shifts) | (hb.to(torch.int32) << (shifts + 1))).sum(1, dtype=torch.int32)
@@ -625,9 +673,8 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     sc = to_int8(nearest_int(iscale * scale).clamp_max_(127))
 
     dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
-    Lr = _ni_clamp(fdiv(xs, dj.expand_as(xs)), -32, 31) + 32
-    L = torch.where(dj != 0, Lr, L)
-    Lb = _blocks_first(L, nb).to(torch.int32).reshape(nb, 2, 4, 32)
+    L = _requant(xs, None, dj, -32, 31, L)
+    Lb = _blocks_first(L.to(torch.uint8), nb).reshape(nb, 2, 4, 32)
     ql = torch.cat([(Lb[:, :, 0] & 0xF) | ((Lb[:, :, 2] & 0xF) << 4),
                     (Lb[:, :, 1] & 0xF) | ((Lb[:, :, 3] & 0xF) << 4)], dim=2).reshape(nb, 128)
     hi = Lb >> 4

@@ -32,16 +32,16 @@ GROUP_MAX_EPS = f32(1e-15)
 
 def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
     """float32 [nb, 256] -> [n, nb * (256 // n)]: sub-blocks of n elements as columns."""
-    nb = x.shape[0]
-    # an explicit copy: reshape would return a transposed view (row stride 1, column
-    # stride n), making every later per-position row access strided
-    return x.reshape(nb, QK_K // n, n).permute(2, 0, 1).contiguous().reshape(n, -1)
+    # an explicit copy (a 2-D transpose, which torch blocks for the cache): a view would
+    # make every later per-position row access strided
+    return x.reshape(-1, n).t().contiguous()
 
 
-def _blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
-    """Inverse of :func:`_positions_first`: [n, nb * (256 // n)] -> [nb, 256]."""
-    n = L.shape[0]
-    return L.reshape(n, nb, QK_K // n).permute(1, 2, 0).reshape(nb, QK_K)
+def _levels_blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
+    """Inverse of :func:`_positions_first` for integer levels: float32
+    [n, nb * (256 // n)] (0..255) -> uint8 [nb, 256] in block order. The transpose is done as a 2-D float32 copy, which torch
+    blocks for the cache (a permuted or uint8 copy is several times slower)."""
+    return L.t().contiguous().reshape(nb, QK_K).to(torch.uint8)
 
 
 def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
@@ -147,8 +147,7 @@ def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: in
     t = xs + mj if mj is not None else xs.clone()
     fast = False
     if FAST_ROUNDING_ON_CPU and xs.device.type == "cpu":
-        lo_x, hi_x = torch.aminmax(xs, dim=0)
-        e = torch.stack([lo_x, hi_x])
+        e = torch.stack([xs.amin(0), xs.amax(0)])     # (aminmax over dim 0 is slow)
         if mj is not None:
             e += mj
         e.div_(dj).abs_()
@@ -471,7 +470,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
     L = _requant(xs, mj, dj, 0, 3, L)
 
-    Lb = _blocks_first(L.to(torch.uint8), nb)
+    Lb = _levels_blocks_first(L, nb)
     return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
 
 
@@ -520,7 +519,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
     L = _requant(xs, None, dj, -4, 3, L)
 
-    Lb = _blocks_first(L.to(torch.uint8), nb)
+    Lb = _levels_blocks_first(L, nb)
     high = Lb > 3
     Lb = Lb & 3
     hb = high.to(torch.int32).reshape(nb, 8, 32)
@@ -577,7 +576,7 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
     mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
     L = _requant(xs, mj, dj, 0, nmax, L)
-    Lb = _blocks_first(L.to(torch.uint8), nb)
+    Lb = _levels_blocks_first(L, nb)
     head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), _pack_scale_min_k4(ls, lm)], dim=1)
     return head, Lb
 
@@ -674,7 +673,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
 
     dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
     L = _requant(xs, None, dj, -32, 31, L)
-    Lb = _blocks_first(L.to(torch.uint8), nb).reshape(nb, 2, 4, 32)
+    Lb = _levels_blocks_first(L, nb).reshape(nb, 2, 4, 32)
     ql = torch.cat([(Lb[:, :, 0] & 0xF) | ((Lb[:, :, 2] & 0xF) << 4),
                     (Lb[:, :, 1] & 0xF) | ((Lb[:, :, 3] & 0xF) << 4)], dim=2).reshape(nb, 128)
     hi = Lb >> 4

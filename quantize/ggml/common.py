@@ -130,8 +130,7 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     ``x`` float32; returns (max with its sign, amax), ``dim`` removed. torch.argmax returns
     the first maximal index (NaN counts as maximal there, so it is masked to 0 first).
     """
-    ax = x.abs()
-    ax = torch.where(ax.isnan(), 0.0, ax)
+    ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))     # (much faster than where(isnan))
     n = x.shape[dim]
     if dim in (-1, x.dim() - 1) or n > 255:
         idx = ax.argmax(dim, keepdim=True)

@@ -32,12 +32,14 @@ PY = sys.executable
 
 def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """Run ``cmd``; return (wall seconds, peak RSS MiB) of that process."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr.read().decode()[-2000:]}")
+    with tempfile.TemporaryFile() as err:  # a pipe would fill up and block the child
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{err.read().decode()[-2000:]}")
     return wall, ru.ru_maxrss / 1024
 
 
@@ -53,6 +55,7 @@ def synth4x() -> Path:
     synth.make_model(tmp, "llama", assets.smollm2_dir(), dtype=torch.float16, hidden_size=1536,
                      intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
                      num_key_value_heads=4, max_shard_size="400MB")
+    tmp.chmod(0o755)
     tmp.rename(out)
     return out
 

@@ -8,6 +8,7 @@ and verified.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,16 +136,23 @@ def reader_raw(rt) -> np.ndarray:
     return data.view(np.uint8).reshape(-1, gt.row_bytes(ne0))
 
 
-def _stats(src: torch.Tensor, deq: torch.Tensor) -> tuple[float, float, float]:
-    """(RMSE, max |error|, SNR dB) of ``deq`` against ``src`` (float32 1-D, same length).
-    Sums are float32 BLAS dot products: ample for a report, and cheap."""
-    e = deq - src
-    se = float(torch.dot(e, e))
-    sig = float(torch.dot(src, src))
-    n = max(1, src.numel())
-    snr = math.inf if se == 0 else (10 * math.log10(sig / se) if sig > 0 else -math.inf)
-    lo, hi = torch.aminmax(e) if e.numel() else (torch.zeros(()), torch.zeros(()))
-    return math.sqrt(se / n), max(-float(lo), float(hi)), snr
+# rows per verification chunk: bounds the float32 copies (gguf-py's, ours, the source's,
+# the error) to a few times this many elements, whatever the tensor size
+VERIFY_CHUNK_ELEMENTS = 1 << 22
+
+
+def _drop_pages(reader: GGUFReader, rt) -> None:
+    """Unmap the file pages of a verified tensor (they stay in the page cache), so that the
+    reader's memory map does not grow the process's RSS with the whole file."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = (int(rt.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = int(rt.data_offset) + int(rt.n_bytes) - start
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, length)
+    except (OSError, ValueError):
+        pass
 
 
 def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
@@ -154,8 +162,10 @@ def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
 
     For each tensor: name, ggml type and shape must be as planned; gguf-py's independent
     dequantizer (``gguf.quants.dequantize``) must equal ours (``quantize.ggml.dequantize``)
-    bit for bit; and the result is compared with the source tensor (RMSE, max |error|,
-    SNR in dB). Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
+    bit for bit; and the result is compared with the source tensor: RMSE, max |error| and
+    SNR in dB (10 log10 Σx²/Σ(x−x̂)², float32 sums). Works through each tensor in row chunks
+    of about VERIFY_CHUNK_ELEMENTS, so memory follows that, not the tensor or the file.
+    Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
     """
     rep = RoundTrip()
     reader = GGUFReader(str(path))
@@ -173,14 +183,25 @@ def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
             rep.mismatches.append(f"{st.name}: file has {tname}{shape}, expected {types[st.name]}{st.shape}")
             continue
         raw = reader_raw(rt)
-        ref = gguf_quants.dequantize(raw, GGMLQuantizationType[tname]).reshape(-1)
-        ours = ggml.dequantize(torch.from_numpy(raw.copy()).to(device), tname).cpu().reshape(-1)
-        ref_bits = np.ascontiguousarray(ref, dtype=np.float32).view(np.int32)
-        our_bits = ours.numpy().view(np.int32)
-        if not np.array_equal(ref_bits, our_bits):
-            neq = int((ref_bits != our_bits).sum())
+        src = st.load().reshape(raw.shape[0], -1)
+        step = max(1, VERIFY_CHUNK_ELEMENTS // src.shape[1])
+        neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
+        for r0 in range(0, raw.shape[0], step):
+            chunk = raw[r0:r0 + step]
+            ref = np.ascontiguousarray(gguf_quants.dequantize(chunk, GGMLQuantizationType[tname]),
+                                       dtype=np.float32).reshape(-1)
+            ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).cpu().reshape(-1)
+            neq += int((ref.view(np.int32) != ours.numpy().view(np.int32)).sum())
+            x = src[r0:r0 + step].to(torch.float32).reshape(-1)
+            e = ours - x
+            se += float(torch.dot(e, e))
+            sig += float(torch.dot(x, x))
+            lo, hi = torch.aminmax(e)
+            max_err = max(max_err, -float(lo), float(hi))
+        if neq:
             rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
-        src = st.load().to(torch.float32).reshape(-1)
-        rmse, mae, snr = _stats(src, ours)
-        rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes), rmse, mae, snr))
+        snr = math.inf if se == 0 else (10 * math.log10(sig / se) if sig > 0 else -math.inf)
+        rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes),
+                                        math.sqrt(se / max(1, st.numel)), max_err, snr))
+        _drop_pages(reader, rt)
     return rep

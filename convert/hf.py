@@ -53,8 +53,8 @@ class HFModel:
         if not self.dir.is_dir():
             raise InputError(f"{self.dir}: not a directory")
         self.config = read_config(self.dir)
-        self._files: dict[str, object] = {}
         self._where: dict[str, str] = {}
+        self._info: dict[str, tuple[tuple[int, ...], str]] = {}
         index = self.dir / INDEX_FILE
         if index.is_file():
             try:
@@ -68,8 +68,11 @@ class HFModel:
         else:
             raise InputError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
         for shard in shards:
-            for name in self._open(shard).keys():
-                self._where[name] = shard
+            with self._open(shard) as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    self._where[name] = shard
+                    self._info[name] = (tuple(sl.get_shape()), sl.get_dtype())
         if weight_map is not None:
             for name, shard in weight_map.items():
                 if self._where.get(name) != shard:
@@ -77,17 +80,15 @@ class HFModel:
         self.names: list[str] = list(self._where)
 
     def _open(self, shard: str):
-        f = self._files.get(shard)
-        if f is None:
-            path = self.dir / shard
-            if not path.is_file():
-                raise InputError(f"{path}: shard listed in {INDEX_FILE} is missing")
-            try:
-                f = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise InputError(f"{path}: corrupt or truncated safetensors file ({e})") from None
-            self._files[shard] = f
-        return f
+        """Open one shard. Each read opens and closes its shard: a safetensors handle keeps
+        its memory map, and the pages read through it would stay in the process's RSS."""
+        path = self.dir / shard
+        if not path.is_file():
+            raise InputError(f"{path}: shard listed in {INDEX_FILE} is missing")
+        try:
+            return safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InputError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
     def file_of(self, name: str) -> Path:
         """Path of the shard holding ``name``."""
@@ -95,19 +96,20 @@ class HFModel:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of ``name`` (torch order) from the header."""
-        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+        return self._info[name][0]
 
     def dtype(self, name: str) -> str:
         """safetensors dtype string of ``name`` ("F16", "BF16", "F32", ...)."""
-        return self._open(self._where[name]).get_slice(name).get_dtype()
+        return self._info[name][1]
 
     def tensor(self, name: str) -> torch.Tensor:
         """Read ``name`` in its stored dtype on CPU. Raises InputError naming file and tensor
         if the bytes cannot be read."""
+        if name not in self._where:
+            raise InputError(f"{self.dir}: no tensor '{name}'")
         try:
-            return self._open(self._where[name]).get_tensor(name)
-        except KeyError:
-            raise InputError(f"{self.dir}: no tensor '{name}'") from None
+            with self._open(self._where[name]) as f:
+                return f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise InputError(f"{self.file_of(name)}: cannot read tensor '{name}' ({e})") from None
 

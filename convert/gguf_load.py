@@ -269,7 +269,6 @@ class GGUFWeights:
             self._tensors[hf] = ti
             self.types[hf] = ti.type
             self.gguf_names[hf] = ti.name
-        self._mm = None
 
     def keys(self):
         """HF names of the tensors in the file."""
@@ -287,12 +286,14 @@ class GGUFWeights:
         return self._tensors[name].shape
 
     def raw(self, name: str) -> np.ndarray:
-        """Stored bytes of ``name``: uint8 [rows, row_bytes] (memory-mapped, read-only)."""
+        """Stored bytes of ``name``: uint8 [rows, row_bytes], read from the file into a fresh
+        buffer (no map is kept, so pages already used do not stay in the process's RSS)."""
         ti = self._tensors[name]
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         t = ggml.get(ti.type)
-        return self._mm[ti.offset: ti.offset + ti.n_bytes].reshape(-1, t.row_bytes(ti.ne[0]))
+        data = np.fromfile(self.path, dtype=np.uint8, count=ti.n_bytes, offset=ti.offset)
+        if data.size != ti.n_bytes:
+            raise InputError(f"{self.path}: truncated tensor '{ti.name}'")
+        return data.reshape(-1, t.row_bytes(ti.ne[0]))
 
     def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """HF tensor ``name`` dequantized on ``device`` (float32, or ``dtype``), in HF layout
@@ -308,7 +309,7 @@ class GGUFWeights:
         except KeyError:
             raise InputError(f"{self.path}: tensor '{ti.name}' has ggml type {tname}, which "
                              f"quantpress cannot dequantize (supported: {', '.join(ggml.names())})") from None
-        raw = torch.from_numpy(np.array(self.raw(name), copy=True)).to(device)
+        raw = torch.from_numpy(self.raw(name)).to(device)
         t = ggml.dequantize(raw, tname).reshape(self.shape(name))
         t = self._unpermute(name, t)
         return t if dtype is None else t.to(dtype)

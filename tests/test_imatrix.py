@@ -223,3 +223,15 @@ def test_imatrix_bad_input(tiny, calib_text, tmp_path, capsys):
     assert list(out.parent.iterdir()) == []  # nothing half-written
     assert quantize_main(base + ["--calib", str(calib_text), "--quiet", "--device", "cpu"]) == 0
     assert read_imatrix(out).counts["blk.1.ffn_down.weight"].tolist() == [64.0]
+
+
+def test_gguf_model_gives_the_same_imatrix(smollm2_dir, f16_gguf):
+    """A GGUF input goes through the same engine after dequantization: on llama.cpp's own F16
+    conversion (exact fp16 weights, Q/K un-permuted) the statistics equal the HF directory's."""
+    rows = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(3))
+    a = cp.imatrix_from_rows(smollm2_dir, rows, device="cpu", progress=False)
+    b = cp.imatrix_from_rows(f16_gguf, rows, device="cpu", progress=False)
+    assert a.keys() == b.keys() and len(a) == 210
+    for name in a:
+        assert a[name][1] == b[name][1] == 96
+        torch.testing.assert_close(a[name][0], b[name][0], rtol=1e-6, atol=0)

@@ -34,7 +34,9 @@ from calibration import data as cdata
 from calibration import engine
 from calibration import eval as ceval
 from calibration.stats import StatsCollector
+from cli.common import check_output
 from convert import gguf_arch, gguf_load
+from convert.gguf_file import temp_path_for
 from convert.imatrix_file import from_stats, write_imatrix
 from quantize.errors import InputError
 
@@ -229,25 +231,6 @@ def default_cal_dir() -> Path:
         raise InputError(f"{d}: exllamav2's calibration data is not in the cache; run "
                          f"'python scripts/assets.py cal-data' or pass --calib/--text FILE")
     return d
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing output without ``force``, a directory, or an unwritable parent."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"{out}: already exists (use --force to overwrite)")
-    if out.is_dir():
-        raise InputError(f"{out}: is a directory, expected a file path")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{parent}: output directory does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: output directory is not writable")
-
-
-def temp_path_for(out: Path) -> Path:
-    """Hidden temporary sibling of ``out`` (renamed into place when complete)."""
-    return out.with_name(f".{out.name}.partial-{os.getpid()}")
 
 
 _LIBC = []

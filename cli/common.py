@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Callable
 
 from quantize.errors import InputError
@@ -30,3 +31,17 @@ def run_command(fn: Callable[[], int]) -> int:
         traceback.print_exc()
     print(f"error: {str(msg).splitlines()[0] if str(msg) else type(msg).__name__}", file=sys.stderr)
     return code
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuse an existing output without ``force`` and an unwritable directory (InputError)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"{out}: already exists (use --force to overwrite)")
+    if out.exists() and out.is_dir():
+        raise InputError(f"{out}: is a directory, expected a file path")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{parent}: output directory does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{parent}: output directory is not writable")

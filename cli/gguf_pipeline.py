@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from tqdm import tqdm
 
+from cli.common import check_output
 from convert import gguf_arch, gguf_policy, gguf_tokenizer
 from convert.gguf_file import (RoundTrip, SourceTensor, pick_device, reader_raw, temp_path_for,
                                verify_gguf, write_gguf)
@@ -83,20 +84,6 @@ class Summary:
                          "snr_db": t.snr_db if math.isfinite(t.snr_db) else None}
                         for t in self.roundtrip.tensors],
         }
-
-
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing output without ``force`` and an unwritable directory (InputError)."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"{out}: already exists (use --force to overwrite)")
-    if out.exists() and out.is_dir():
-        raise InputError(f"{out}: is a directory, expected a file path")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{parent}: output directory does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: output directory is not writable")
 
 
 def _finish(tmp: Path, out: Path, summary_args: dict, tensors, types, device, show, t0, timings,

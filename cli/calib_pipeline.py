@@ -42,8 +42,9 @@ from quantize.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BATCH_TOKENS = 4096
-#: bytes of float32 logits computed at once from final hidden states
-LOGITS_BUDGET = 1 << 28
+#: bytes of float32 logits computed at once from final hidden states (the KL step holds about
+#: eight arrays of that size: two models' logits, log-probabilities and their products)
+LOGITS_BUDGET = 1 << 26
 
 
 # --------------------------------------------------------------------------------------------

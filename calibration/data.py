@@ -93,7 +93,9 @@ def heldout_text(path: str | Path) -> str:
 
 def load_texts(path: str | Path, field: str = "text", fmt: str | None = None,
                sample_by: str = "document", cache_dir: str | Path | None = None) -> list[str]:
-    """Documents of a local text, JSON/JSONL or Parquet file, as a list of strings.
+    """Documents of a local text, JSON/JSONL or Parquet file, as a list of strings. A folder,
+    or a name that is no existing file (``owner/name[:config][@split]``), goes to
+    :func:`load_dataset_texts` instead.
 
     Uses ``datasets.load_dataset(fmt, data_files=path, split="train")`` with ``fmt`` in
     {"text", "json", "parquet"} (default: from the extension: .txt/.utf8/.md → text,
@@ -108,6 +110,8 @@ def load_texts(path: str | Path, field: str = "text", fmt: str | None = None,
     import datasets
 
     p = Path(path)
+    if p.is_dir() or (not p.exists() and _looks_like_dataset_name(str(path))):
+        return load_dataset_texts(str(path), field=field, cache_dir=cache_dir)
     if not p.is_file():
         raise InputError(f"{p}: calibration file not found")
     if fmt is None:
@@ -129,18 +133,52 @@ def load_texts(path: str | Path, field: str = "text", fmt: str | None = None,
             root = root.__cause__ or root.__context__
         msg = str(root).splitlines()[0] if str(root) else ""
         raise InputError(f"{p}: cannot read as {fmt} ({type(root).__name__}: {msg})") from e
+    return _texts_of(ds, field, str(p))
+
+
+def _looks_like_dataset_name(name: str) -> bool:
+    """``owner/name`` or ``name``, optionally ``:config`` / ``@split``, with no file suffix."""
+    import re
+
+    return (Path(name.split(":")[0].split("@")[0]).suffix.lower() not in _FORMATS
+            and re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?(@[\w.\[\]:%-]+)?", name) is not None)
+
+
+def load_dataset_texts(name: str, field: str = "text", cache_dir: str | Path | None = None
+                       ) -> list[str]:
+    """Documents of a ``datasets`` dataset: a local dataset folder (data files that
+    ``datasets.load_dataset(folder)`` recognizes) or a hub name ``owner/name[:config][@split]``
+    (default split "train"; needs the network, or the dataset in the ``datasets`` cache).
+
+    Raises InputError naming the dataset when it cannot be loaded (offline, unknown name,
+    unknown split), the column is unknown (listing the available ones) or holds no text."""
+    import datasets
+
+    spec, split = (name.split("@", 1) + ["train"])[:2]
+    repo, config = (spec.split(":", 1) + [None])[:2]
+    try:
+        ds = datasets.load_dataset(repo, config, split=split,
+                                   cache_dir=None if cache_dir is None else str(cache_dir))
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"{name}: not a local file, and datasets cannot load it as a dataset "
+                         f"(offline or unknown name/config/split?): {type(e).__name__}: {msg}") from None
+    return _texts_of(ds, field, name)
+
+
+def _texts_of(ds, field: str, where: str) -> list[str]:
     if field not in ds.column_names:
-        raise InputError(f"{p}: no column '{field}'; available columns: "
+        raise InputError(f"{where}: no column '{field}'; available columns: "
                          f"{', '.join(ds.column_names) or '(none)'}")
     if ds.num_rows == 0:
-        raise InputError(f"{p}: no rows")
+        raise InputError(f"{where}: no rows")
     values = ds[field]
     bad = next((v for v in values if not isinstance(v, str) and v is not None), None)
     if bad is not None:
-        raise InputError(f"{p}: column '{field}' holds {type(bad).__name__} values, not text")
+        raise InputError(f"{where}: column '{field}' holds {type(bad).__name__} values, not text")
     texts = [v for v in values if v is not None and v.strip()]
     if not texts:
-        raise InputError(f"{p}: column '{field}' has no non-empty text")
+        raise InputError(f"{where}: column '{field}' has no non-empty text")
     return texts
 
 
@@ -152,14 +190,22 @@ def tokenize_concat(tokenizer, texts: Sequence[str] | Iterable[str], add_eos: bo
     """Token ids of ``texts`` concatenated into one stream, int64 [total].
 
     Each document is encoded without special tokens (``add_special_tokens=False``) and, if
-    ``add_eos`` and the tokenizer has an EOS token, **followed by EOS** (the document separator
-    GPT-style training uses; no BOS is inserted, so no per-document BOS rows as in exllamav2).
-    Raises InputError if there are no documents."""
+    ``add_eos``, **followed by EOS** (the document separator GPT-style training uses; no BOS is
+    inserted, so no per-document BOS rows as in exllamav2). A tokenizer without EOS separates
+    documents with its BOS. Rows are never padded, so no pad token is needed.
+    Raises InputError if there are no documents, or several documents and the tokenizer has
+    neither an EOS nor a BOS token to separate them."""
     texts = list(texts)
     if not texts:
         raise InputError("no calibration text (0 documents)")
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "bos_token_id", None)
+    if add_eos and eos is None and len(texts) > 1:
+        raise InputError(f"the tokenizer has no EOS or BOS token to separate the {len(texts)} "
+                         f"calibration documents (set eos_token in tokenizer_config.json, or "
+                         f"give one plain-text file)")
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     parts = []
     for seq in ids:  # one tensor per document (a loop over documents, not tokens)
         t = torch.as_tensor(seq, dtype=torch.long)

@@ -128,6 +128,13 @@ def _hf_tokenizer(p: Path):
 def _hf_add_bos(p: Path, tok) -> bool:
     bos = getattr(tok, "bos_token_id", None)
     if bos is None:
+        try:
+            tcfg = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            tcfg = {}
+        if getattr(tok, "add_bos_token", False) or tcfg.get("add_bos_token") is True:
+            raise InputError(f"{p}: the tokenizer adds a BOS token (add_bos_token) but defines "
+                             f"none (bos_token in tokenizer_config.json)")
         return False
     with_special = tok("a", add_special_tokens=True)["input_ids"]
     plain = tok("a", add_special_tokens=False)["input_ids"]
@@ -529,8 +536,14 @@ def calibration_rows(model: str | Path, calib: str | Path | None = None, calib_f
                 datasets.enable_progress_bars()
         source = str(calib)
     tok = ld.tokenizer(p)
-    rows = cdata.token_rows(tok, texts, samples, seqlen, seed=seed)
-    if ld.add_bos(p, tok):
+    add_bos = ld.add_bos(p, tok)
+    try:
+        rows = cdata.token_rows(tok, texts, samples, seqlen, seed=seed)
+    except InputError as e:
+        if "no EOS or BOS" in str(e):
+            raise InputError(f"{p}: {e}") from None
+        raise
+    if add_bos:
         rows[:, 0] = tok.bos_token_id
     return rows, source
 

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("model", help="Hugging Face model directory or GGUF file")
     m.add_argument("-o", "--output", required=True, help="output imatrix .gguf path")
     m.add_argument("--calib", help="calibration text: .txt/.utf8/.md (one document), .json/.jsonl "
-                                   "or .parquet (default: calibration split of exllamav2's wiki.utf8)")
+                                   "or .parquet, a datasets folder, or a dataset name "
+                                   "owner/name[:config][@split] when online (default: calibration "
+                                   "split of exllamav2's wiki.utf8)")
     m.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
     m.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
     m.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")

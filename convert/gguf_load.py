@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +58,6 @@ def is_gguf(path: str | Path) -> bool:
 # --------------------------------------------------------------------------------------------
 # Header
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
-       11: "<i8", 12: "<f8"}
 #: string arrays longer than this are kept as their length only (vocabularies, merges)
 MAX_STRING_ARRAY = 4096
 
@@ -91,95 +86,43 @@ class StringArray(int):
 def read_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
     """Metadata (key → value; string arrays longer than :data:`MAX_STRING_ARRAY` become a
     :class:`StringArray` holding their length) and tensor infos of a GGUF v2/v3 file, parsed
-    with ``struct`` from a memory map (gguf-py's GGUFReader decodes every vocabulary string
-    into numpy views, which takes seconds for a 50k-token vocabulary). Layout: gguf.md §2.
-    Raises InputError for a file that is not GGUF or is truncated."""
-    import mmap
+    by gguf-py's ``GGUFReader`` (layout: gguf.md §2). The reader's memory map is released
+    before returning; tensor bytes are read later, one tensor at a time (:meth:`GGUFWeights.raw`).
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    Raises InputError for a file that is not GGUF, is truncated or holds an unknown type."""
+    from gguf import GGUFReader, GGUFValueType
 
     p = Path(path)
-    with open(p, "rb") as f:
-        try:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:
-            raise InputError(f"{p}: not a readable GGUF file (empty)") from None
+    if p.is_file() and p.stat().st_size == 0:
+        raise InputError(f"{p}: not a readable GGUF file (empty)")
+    if not is_gguf(p):
+        raise InputError(f"{p}: not a GGUF file (no GGUF magic)")
     try:
-        pos = 0
-
-        def take(fmt):
-            nonlocal pos
-            v = struct.unpack_from(fmt, mm, pos)
-            pos += struct.calcsize(fmt)
-            return v[0]
-
-        def string():
-            nonlocal pos
-            n = take("<Q")
-            b = mm[pos:pos + n]
-            if len(b) != n:
-                raise struct.error("truncated string")
-            pos += n
-            return b.decode("utf-8", errors="replace")
-
-        def value(t):
-            nonlocal pos
-            if t == 8:
-                return string()
-            if t == 9:
-                et, n = take("<I"), take("<Q")
-                if et == 8:
-                    if n > MAX_STRING_ARRAY:
-                        for _ in range(n):
-                            pos += 8 + struct.unpack_from("<Q", mm, pos)[0]
-                        return StringArray(n)
-                    return [string() for _ in range(n)]
-                if et in _NP:
-                    a = np.frombuffer(mm, dtype=_NP[et], count=n, offset=pos).copy()
-                    pos += a.nbytes
-                    return a.tolist()
-                return [value(et) for _ in range(n)]
-            return take(_SCALARS[t])
-
-        if mm[:4] != GGUF_MAGIC:
-            raise InputError(f"{p}: not a GGUF file (magic {bytes(mm[:4])!r})")
+        reader = GGUFReader(str(p))
+    except Exception as e:  # gguf-py raises ValueError/IndexError/KeyError on a bad header
+        raise InputError(f"{p}: not a readable GGUF file (truncated or corrupt: {e})") from None
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's pseudo-fields (version, counts)
+        if (len(field.types) == 2 and field.types[0] == GGUFValueType.ARRAY
+                and field.types[1] == GGUFValueType.STRING and len(field.data) > MAX_STRING_ARRAY):
+            meta[key] = StringArray(len(field.data))
+            continue
+        meta[key] = field.contents()
+    size = p.stat().st_size
+    infos = []
+    for rt in reader.tensors:
+        ne = tuple(int(d) for d in rt.shape)
         try:
-            pos = 4
-            version = take("<I")
-            if version not in (2, 3):
-                raise InputError(f"{p}: not a readable GGUF file (version {version}; 2 or 3 expected)")
-            n_tensors, n_kv = take("<Q"), take("<Q")
-            meta = {}
-            for _ in range(n_kv):
-                key = string()
-                meta[key] = value(take("<I"))
-            raw = []
-            for _ in range(n_tensors):
-                name = string()
-                nd = take("<I")
-                ne = tuple(take("<Q") for _ in range(nd))
-                raw.append((name, ne, take("<I"), take("<Q")))
-        except (struct.error, KeyError, UnicodeDecodeError) as e:
-            raise InputError(f"{p}: not a readable GGUF file (truncated or corrupt header: {e})") from None
-        align = int(meta.get("general.alignment", 32))
-        data_start = pos + (align - pos % align) % align
-        infos = []
-        for name, ne, t, off in raw:
-            try:
-                tname = GGMLQuantizationType(t).name
-                bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
-            except (ValueError, KeyError):
-                raise InputError(f"{p}: tensor '{name}' has unknown ggml type id {t}") from None
-            n = 1
-            for d in ne:
-                n *= d
-            nbytes = n // bs * ts
-            if data_start + off + nbytes > len(mm):
-                raise InputError(f"{p}: truncated: tensor '{name}' ends past the end of the file")
-            infos.append(TensorInfo(name, ne, tname, data_start + off, nbytes))
-        return meta, infos
-    finally:
-        mm.close()
+            tname = rt.tensor_type.name
+        except AttributeError:
+            raise InputError(f"{p}: tensor '{rt.name}' has unknown ggml type id {rt.tensor_type}") from None
+        if rt.data_offset + rt.n_bytes > size:
+            raise InputError(f"{p}: truncated: tensor '{rt.name}' ends past the end of the file")
+        infos.append(TensorInfo(rt.name, ne, tname, int(rt.data_offset), int(rt.n_bytes)))
+    del reader  # drop the memory map
+    return meta, infos
 
 
 # --------------------------------------------------------------------------------------------

@@ -334,3 +334,59 @@ def test_load_texts_formats_and_errors(tmp_path):
         data.load_texts(tmp_path / "nope.jsonl")
     with pytest.raises(InputError, match="not found"):
         data.wiki_articles(tmp_path)
+
+
+def test_tokenizer_without_special_tokens(smollm2_dir, tiny, tmp_path):
+    """No pad token is ever needed (rows are not padded); documents are separated by EOS, else
+    BOS; a tokenizer with neither is refused for several documents, and one that claims to add
+    a BOS it does not define is refused, naming the model."""
+    from transformers import AutoTokenizer
+
+    from cli import calib_pipeline as cp
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    docs = ["Hello world.", "Short text."]
+    with_eos = data.tokenize_concat(tok, docs)
+    tok.eos_token = None
+    with_bos = data.tokenize_concat(tok, docs)
+    sep = (with_eos == with_eos[len(tok(docs[0], add_special_tokens=False)["input_ids"])]).nonzero()
+    assert with_bos.numel() == with_eos.numel() and sep.numel() >= 1
+    assert int(with_bos[sep[0, 0]]) == tok.bos_token_id
+    tok.bos_token = None
+    with pytest.raises(InputError, match="no EOS or BOS token to separate the 2 calibration documents"):
+        data.tokenize_concat(tok, docs)
+    assert data.tokenize_concat(tok, docs[:1]).numel() == with_eos.numel() - 1 - len(
+        tok(docs[1], add_special_tokens=False)["input_ids"]) - 1
+
+    model = tmp_path / "nobos"
+    shutil.copytree(tiny["llama"], model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.update(bos_token=None, eos_token=None, add_bos_token=True)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"nobos: the tokenizer adds a BOS token \(add_bos_token\) but defines none"):
+        cp.calibration_rows(model, samples=2, seqlen=16, progress=False)
+    cfg.update(add_bos_token=False)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"nobos: the tokenizer has no EOS or BOS token to separate"):
+        cp.calibration_rows(model, samples=2, seqlen=16, progress=False)
+
+
+def test_dataset_folder_and_name(tmp_path, monkeypatch):
+    """--calib also takes a datasets folder (data files datasets recognizes) or a hub name;
+    offline, a name gives one clear error naming it."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text('{"body": "doc one"}\n{"body": "doc two"}\n')
+    (folder / "part-1.jsonl").write_text('{"body": "doc three"}\n')
+    assert sorted(data.load_texts(folder, field="body", cache_dir=tmp_path / "hf")) == [
+        "doc one", "doc three", "doc two"]
+    with pytest.raises(InputError, match=r"ds: no column 'text'; available columns: body"):
+        data.load_texts(folder, cache_dir=tmp_path / "hf")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network wait in CI
+    with pytest.raises(InputError, match=r"no-such-owner/no-such-set:cfg@validation: not a local file, "
+                                         r"and datasets cannot load it"):
+        data.load_texts("no-such-owner/no-such-set:cfg@validation", cache_dir=tmp_path / "hf")
+    with pytest.raises(InputError, match=r"nope\.jsonl: calibration file not found"):
+        data.load_texts(tmp_path / "nope.jsonl")

@@ -39,7 +39,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -371,6 +371,15 @@ class Measurement:
         return {"measurement": self.modules, "last_module_idx": self.last_module_idx}
 
 
+def _json_default(x):
+    """numpy scalars (e.g. an accuracy computed as np.float32) as Python numbers."""
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
 def write_measurement(path: str | os.PathLike, measurement: Mapping[str, Any],
                       last_module_idx: int) -> Path:
     """Validate and write ``{"measurement": measurement, "last_module_idx": last_module_idx}``
@@ -378,15 +387,20 @@ def write_measurement(path: str | os.PathLike, measurement: Mapping[str, Any],
     file in the same directory that is renamed over ``path`` (no partial file on failure).
 
     ``measurement``: slot key → list of option dicts (or None), see the module docstring; the
-    ``group_size`` keys may be ints (JSON writes them as strings). Raises InputError if it does
-    not validate (nothing is written) or the directory is not writable. Returns ``path``.
+    ``group_size`` keys may be ints (JSON writes them as strings); numpy scalars are written as
+    numbers. Raises InputError if it does not validate (nothing is written) or the directory is
+    not writable. Returns ``path``.
     """
     path = Path(path)
     obj = {"measurement": dict(measurement), "last_module_idx": last_module_idx}
-    validate_schema(json.loads(json.dumps(obj)), source=str(path))
-    text = json.dumps(obj, indent=4)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        text = json.dumps(obj, indent=4, default=_json_default)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{path}: measurement is not JSON-serializable: {e}") from None
+    validate_schema(json.loads(text), source=str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # mode as umask allows
     except OSError as e:
         raise InputError(f"{path}: cannot write: {e.strerror or e}") from None
     try:

@@ -45,6 +45,7 @@ to another option when the cost delta fits the budget and its error does not get
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -114,8 +115,8 @@ def budget_bits(target_bpw: float, numel: int) -> int:
     """``int(numel × target_bpw)``: the budget in bits for a decoder-only target bpw
     (exllamav2 0.3.2 ``optimize.py`` ``weight_budget``). Raises InputError for a non-finite or
     non-positive target."""
-    if not (isinstance(target_bpw, (int, float)) and math.isfinite(target_bpw)
-            and target_bpw > 0):
+    if not (isinstance(target_bpw, numbers.Real) and not isinstance(target_bpw, bool)
+            and math.isfinite(target_bpw) and target_bpw > 0):
         raise InputError(f"target bpw {target_bpw!r} is not a positive number")
     return int(numel * target_bpw)
 
@@ -162,8 +163,8 @@ def reachable_bpw(slots, numel: int) -> tuple[float, float]:
 def _range_error(budget: int, lo: int, hi: int, numel: int | None) -> InputError:
     side = "below" if budget < lo else "above"
     if numel:
-        rlo = math.ceil(lo / numel * 100 - 1e-9) / 100      # printed range ⊆ reachable range
-        rhi = math.floor(hi / numel * 100 + 1e-9) / 100
+        rlo = math.ceil(lo / numel * 100) / 100      # rounded inwards: printed ⊆ reachable
+        rhi = math.floor(hi / numel * 100) / 100
         return InputError(f"target {budget / numel:.4f} bpw is {side} the reachable range "
                           f"[{rlo:.2f}, {rhi:.2f}] bpw of this measurement (all cheapest / all "
                           f"most expensive options)")

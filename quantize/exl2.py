@@ -25,6 +25,7 @@ column n: ``fp16(v - 2^(b-1)) * fp16(fp16(qs^2) * fp16(q_scale_max[g] * 2^-8))``
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -98,7 +99,7 @@ class QParams:
             if set(gmap) != set(bits_t):
                 raise ValueError(f"QParams: group_size keys {sorted(gmap)} differ from bits {list(bits_t)}")
             gs_t = tuple(gmap[b] for b in bits_t)
-        elif isinstance(group_size, (int,)) and not isinstance(group_size, bool):
+        elif isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
             gs_t = (int(group_size),) * len(bits_t)
         else:
             gs_t = tuple(int(g) for g in group_size)

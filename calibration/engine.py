@@ -428,8 +428,8 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
 def _remove(handle) -> None:
     if handle is None:
         return
-    if hasattr(handle, "remove"):
-        handle.remove()
-    else:
+    if isinstance(handle, (list, tuple)):
         for h in handle:
             h.remove()
+    else:
+        handle.remove()

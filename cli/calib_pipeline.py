@@ -35,7 +35,7 @@ from calibration import engine
 from calibration import eval as ceval
 from calibration.stats import StatsCollector
 from cli.common import check_output
-from convert import gguf_arch, gguf_load
+from convert import awq_dir, gguf_arch, gguf_load
 from convert.gguf_file import temp_path_for
 from convert.imatrix_file import from_stats, write_imatrix
 from quantize.errors import InputError
@@ -187,6 +187,19 @@ def _gguf_arch(p: Path) -> str:
 register_loader(Loader("hf", _hf_detect, _hf_open, _hf_tokenizer, _hf_add_bos, _hf_config, _hf_gguf_arch))
 register_loader(Loader("gguf", gguf_load.is_gguf, _gguf_open, _gguf_tokenizer, _gguf_add_bos,
                        _gguf_config, _gguf_arch))
+
+
+def _awq_open(p: Path, device, dtype, config=None):
+    return awq_dir.streaming_model(p, device=device, dtype=dtype)
+
+
+def _awq_config(p: Path) -> dict:
+    cfg, _, _ = awq_dir.read_awq_config(p)
+    return {k: v for k, v in cfg.items() if k != "quantization_config"}
+
+
+register_loader(Loader("awq", awq_dir.is_awq_dir, _awq_open, _hf_tokenizer, _hf_add_bos,
+                       _awq_config, _hf_gguf_arch))
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,3 +45,16 @@ def check_output(out: Path, force: bool) -> None:
         raise InputError(f"{parent}: output directory does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{parent}: output directory is not writable")
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse an existing output directory (or file) without ``force``, and a missing or
+    unwritable parent directory (InputError)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"{out}: already exists (use --force to overwrite)")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{parent}: output directory does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{parent}: output directory is not writable")

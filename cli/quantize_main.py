@@ -43,6 +43,32 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="overwrite an existing output")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
 
+    a = sub.add_parser("awq", help="AWQ (activation-aware) 4-bit quantization to an AutoAWQ "
+                                   "GEMM directory (vLLM, transformers)")
+    a.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    a.add_argument("-o", "--output", required=True, help="output directory")
+    a.add_argument("--bits", type=int, default=4, help="weight bits (4: the GEMM layout)")
+    a.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale and zero point (default 128; 64 for widths like 576)")
+    a.add_argument("--calib", help="calibration text: .txt/.utf8/.md, .json/.jsonl, .parquet, a "
+                                   "datasets folder or name (default: calibration split of "
+                                   "exllamav2's wiki.utf8)")
+    a.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
+    a.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
+    a.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
+    a.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    a.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping search")
+    a.add_argument("--duo-scaling", dest="duo_scaling", action="store_true", default=True,
+                   help="s = x^r / w^(1-r) (default, AutoAWQ)")
+    a.add_argument("--no-duo-scaling", dest="duo_scaling", action="store_false",
+                   help="s = x^r (the original llm-awq grid)")
+    a.add_argument("--rtn", action="store_true",
+                   help="plain round-to-nearest (no calibration), same quantizer and packing: the baseline")
+    a.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    _common(a)
+    a.add_argument("--force", action="store_true", help="overwrite an existing output")
+    a.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     e = sub.add_parser("eval", help="perplexity and KL divergence against the base model "
                                     "(llama-perplexity conventions)")
     e.add_argument("base", help="base model: Hugging Face directory or GGUF file")
@@ -74,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                                 samples=args.samples, seqlen=args.seqlen, seed=args.seed,
                                 device=args.device, dtype=args.dtype, batch_tokens=args.batch_tokens,
                                 force=args.force, progress=not args.quiet)
+            print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
+            return 0
+        if args.verb == "awq":
+            from cli.awq_pipeline import quantize_awq
+
+            s = quantize_awq(args.model, args.output, bits=args.bits, group_size=args.group_size,
+                             duo_scaling=args.duo_scaling, clip=args.clip, rtn=args.rtn,
+                             calib=args.calib, calib_field=args.calib_field, samples=args.samples,
+                             seqlen=args.seqlen, seed=args.seed, device=args.device, dtype=args.dtype,
+                             batch_tokens=args.batch_tokens, max_shard_size=args.max_shard_size,
+                             force=args.force, progress=not args.quiet)
             print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
             return 0
         if args.verb == "eval":

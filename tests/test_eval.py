@@ -269,12 +269,18 @@ def test_eval_bad_input(smollm2_dir, tmp_path, capsys):
         cp.evaluate(smollm2_dir, [], text=tmp_path / "nope.txt", progress=False)
     with pytest.raises(InputError, match=r"missing\.gguf: no such file or directory"):
         cp.evaluate(smollm2_dir, [tmp_path / "missing.gguf"], text=short, progress=False)
-    awq = tmp_path / "awq"
-    awq.mkdir()
-    (awq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                 "quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(InputError, match=r"a 'awq'-quantized directory; no loader for it yet"):
-        cp.evaluate(smollm2_dir, [awq], text=short, progress=False)
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                  "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(InputError, match=r"a 'gptq'-quantized directory; no loader for it yet"):
+        cp.evaluate(smollm2_dir, [gptq], text=short, progress=False)
+    awq3 = tmp_path / "awq3"
+    awq3.mkdir()
+    (awq3 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "quantization_config": {
+        "quant_method": "awq", "bits": 3, "group_size": 64, "zero_point": True, "version": "gemm"}}))
+    with pytest.raises(InputError, match=r"awq3: quantization_config .* is not 4-bit GEMM"):
+        cp.evaluate(smollm2_dir, [awq3], text=short, progress=False)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\x00" * 10)
     with pytest.raises(InputError, match=r"junk\.gguf: not a readable GGUF file"):

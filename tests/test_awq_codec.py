@@ -1,0 +1,147 @@
+"""AWQ math (quantize/awq.py) against independent computations: the fp16 group quantizer
+against a numpy float16 transcription of spec §1.7, the GEMM packing against bit arithmetic
+on Python ints (spec §2) and the reference dequantization (convert/awq_dir.py, spec §4), the
+scale grid (§1.4) and the clipping search (§1.6) against straightforward loop versions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from convert import awq_dir
+from quantize import awq
+
+
+def _weights(out=64, cin=256, seed=0, outliers=True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cin, generator=g) * 0.05
+    if outliers:
+        w[torch.rand(out, cin, generator=g) < 0.01] *= 20
+    w[0, :64] = 0.0  # an all-zero group
+    w[1, :64] = 0.25  # a constant group
+    return w.half()
+
+
+def _np_pseudo_quantize(w: np.ndarray, bits: int, gs: int):
+    """Spec §1.7 in numpy float16 (every operation rounded to float16; w/scale overflows to
+    inf in a constant group, as in torch)."""
+    g = w.reshape(-1, gs).astype(np.float16)
+    mx = g.max(axis=1, keepdims=True)
+    mn = g.min(axis=1, keepdims=True)
+    max_int = np.float16(2 ** bits - 1)
+    scale = np.maximum(mx - mn, np.float16(1e-5)).astype(np.float16) / max_int
+    with np.errstate(over="ignore"):
+        zero = np.clip(-np.round(mn / scale), 0, max_int).astype(np.float16)
+        q = np.clip(np.round(g / scale) + zero, 0, max_int).astype(np.float16)
+    return ((q - zero) * scale).astype(np.float16).reshape(w.shape), q, scale, zero
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_pseudo_quantize_equals_spec_in_numpy_float16(gs):
+    w = _weights(cin=256)
+    r = awq.pseudo_quantize(w, 4, gs)
+    w_fq, q, scale, zero = _np_pseudo_quantize(w.numpy(), 4, gs)
+    assert np.array_equal(r.w_fq.numpy().view(np.uint16), w_fq.view(np.uint16))
+    assert np.array_equal(r.q.numpy().reshape(-1, gs), q.astype(np.uint8))
+    assert np.array_equal(r.scales.numpy().reshape(-1), scale.reshape(-1))
+    assert np.array_equal(r.zeros.numpy().reshape(-1), zero.reshape(-1).astype(np.uint8))
+    assert r.q.max() <= 15 and r.zeros.max() <= 15 and bool((r.scales > 0).all())
+    # each value within half a step of the original (rows 2.. : the range covers the group;
+    # row 1's constant group is AutoAWQ's degenerate case, scale = fp16(1e-5)/15, all q = 15)
+    err = (r.w_fq.float() - w.float()).abs()[2:].reshape(-1, gs)
+    assert bool((err <= r.scales[2:].float().reshape(-1, 1) * 0.5 + 1e-3).all())
+    assert torch.equal(r.q[1, :64], torch.full((64,), 15, dtype=torch.uint8))
+
+
+def test_pseudo_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="float16"):
+        awq.pseudo_quantize(torch.zeros(8, 64), 4, 64)
+    with pytest.raises(ValueError, match="not a multiple of group_size 64"):
+        awq.pseudo_quantize(torch.zeros(8, 96, dtype=torch.float16), 4, 64)
+    w = torch.zeros(8, 64, dtype=torch.float16)
+    w[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        awq.pseudo_quantize(w, 4, 64)
+
+
+def test_pack_order_on_python_ints():
+    """Nibble k of int32 column c holds logical column 8c + [0,2,4,6,1,3,5,7][k] (spec §2)."""
+    g = torch.Generator().manual_seed(1)
+    v = torch.randint(0, 16, (5, 24), generator=g, dtype=torch.uint8)
+    p = awq.pack_int4(v)
+    assert p.dtype == torch.int32 and p.shape == (5, 3)
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    for r in range(5):
+        for c in range(3):
+            word = sum(int(v[r, 8 * c + order[k]]) << (4 * k) for k in range(8))
+            assert int(p[r, c]) & 0xFFFFFFFF == word
+    assert torch.equal(awq_dir.unpack_awq_int4(p), v.to(torch.int16))
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_reference_dequantization_is_bitwise_the_fake_quant(gs):
+    w = _weights(out=96, cin=384, seed=gs)
+    r = awq.pseudo_quantize(w, 4, gs)
+    t = awq.pack_gemm(r)
+    assert t["qweight"].shape == (384, 12) and t["qweight"].dtype == torch.int32
+    assert t["qzeros"].shape == (384 // gs, 12) and t["qzeros"].dtype == torch.int32
+    assert t["scales"].shape == (384 // gs, 96) and t["scales"].dtype == torch.float16
+    deq = awq_dir.dequantize_gemm(t["qweight"], t["qzeros"], t["scales"], gs)
+    assert torch.equal(deq.view(torch.int16), r.w_fq.view(torch.int16))
+    with pytest.raises(ValueError, match="inconsistent AWQ shapes"):
+        awq_dir.dequantize_gemm(t["qweight"], t["qzeros"], t["scales"], gs * 2)
+
+
+def test_grid_scales_follow_the_formula():
+    g = torch.Generator().manual_seed(2)
+    x_mean = (torch.rand(128, generator=g) * 3 + 0.01).half()
+    w_mean = (torch.rand(128, generator=g) * 0.9 + 0.05).half()
+    for r, duo in [(0.0, True), (0.35, True), (0.5, False), (0.95, False)]:
+        s = awq.grid_scales(x_mean, w_mean, r, duo).double()
+        xm, wm = x_mean.double(), w_mean.double()
+        raw = (xm ** r / (wm ** (1 - r) + 1e-4)) if duo else xm ** r
+        raw = raw.clamp(min=1e-4)
+        expect = raw / (raw.max() * raw.min()).sqrt()
+        assert torch.allclose(s, expect, rtol=4e-3), (r, duo)
+        assert s.dtype == torch.float64 and float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-2)
+    # duo at r = 0 is 1 / (w_mean + 1e-4), not the identity
+    assert not torch.allclose(awq.grid_scales(x_mean, w_mean, 0.0, True).float(), torch.ones(128), atol=0.05)
+    assert torch.equal(awq.grid_scales(x_mean, w_mean, 0.0, False), torch.ones(128, dtype=torch.float16))
+
+
+def test_weight_mean_matches_definition():
+    ws = [_weights(out=32, cin=128, seed=3), _weights(out=16, cin=128, seed=4)]
+    m = awq.weight_mean(ws, 64).double()
+    w = torch.cat(ws).double()
+    rows = w.reshape(-1, 64).abs()
+    expect = (rows / (rows.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+    assert torch.allclose(m, expect, atol=2e-3)
+
+
+def test_best_clip_equals_loop_version():
+    """The batched search picks, per (row, group), the candidate a direct loop over candidates,
+    rows and groups picks (spec §1.6), with the loop's own float32 partial sums."""
+    out, cin, gs = 24, 256, 64
+    w = _weights(out=out, cin=cin, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(700, cin, generator=g) * (torch.rand(cin, generator=g) * 4)
+    got = awq.best_clip(w, x, 4, gs, max_elements=5000)  # forces several row slices
+    xs = x[:: max(1, 700 // 512)].float()
+    for o in range(out):
+        for gi in range(cin // gs):
+            wg = w[o, gi * gs:(gi + 1) * gs]
+            xg = xs[:, gi * gs:(gi + 1) * gs]
+            org = xg @ wg.float()
+            mx = wg.abs().max()
+            best_err, best_m = float("inf"), None
+            for i in range(10):
+                m = mx * (1 - i / 20)
+                q = awq.pseudo_quantize(torch.clamp(wg, -m, m).reshape(1, gs), 4, gs).w_fq[0]
+                err = float(((xg @ q.float()) - org).pow(2).mean())
+                if err < best_err * (1 - 1e-6):
+                    best_err, best_m = err, m
+                elif err < best_err:  # a float32 near-tie: either candidate is acceptable
+                    best_m = torch.stack([best_m, m])
+            assert bool((got[o, gi] == best_m).any()), (o, gi)
+    clipped = awq.apply_clip(w, got, gs)
+    assert bool((clipped.float().abs().reshape(out, -1, gs) <= got.float().unsqueeze(-1)).all())

@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from quantize.errors import InputError
+from quantize.exl2 import QParams, bits_cost
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -104,42 +105,40 @@ class QSetting:
                 "bits": list(self.bits), "bits_prop": list(self.bits_prop),
                 "scale_bits": self.scale_bits}
 
+    def qparams(self):
+        """This setting as :class:`quantize.exl2.QParams` (the codec's one definition of the
+        row allocation and the bit cost). Raises InputError for a setting QParams rejects."""
+        try:
+            return QParams(self.group_size, self.bits, self.bits_prop, self.scale_bits)
+        except ValueError as e:
+            raise InputError(f"EXL2 setting {self.to_json()}: {e}") from None
+
     def group_rows(self, in_features: int) -> list[tuple[int, int]]:
-        """Per bit width, ``(bits, n_groups)``: exllamav2's row allocation. With rem = K, for
-        each (b, p): n_b = ceil(min(K·p, rem) / gs_b), rem -= n_b·gs_b; rem ≤ 0 at the end
-        (the last group may be partial). Raises InputError when the proportions do not cover K."""
-        k = in_features
-        rem = k
-        out = []
-        for b, p in zip(self.bits, self.bits_prop):
-            gs = self.group_size[b]
-            n = math.ceil(min(k * p, rem) / gs)
-            rem -= n * gs
-            out.append((b, n))
-        if rem > 0:
-            raise InputError(f"EXL2 setting {self.to_json()}: bits_prop cover only {k - rem} of "
-                             f"{k} input rows")
-        return out
+        """Per bit width, ``(bits, n_groups)``: exllamav2's row allocation
+        (:meth:`quantize.exl2.QParams.group_counts`: with rem = K, for each (b, p):
+        n_b = ceil(min(K·p, rem) / gs_b), rem -= n_b·gs_b; rem ≤ 0 at the end, the last group
+        may be partial). Raises InputError when the proportions do not cover K."""
+        qp = self.qparams()
+        try:
+            counts = qp.group_counts(in_features)
+        except ValueError as e:
+            raise InputError(f"EXL2 setting {self.to_json()}: {e}") from None
+        return list(zip(qp.bits, counts))
 
     def total_bits(self, in_features: int, out_features: int, bias: bool = False,
                    pad32: bool = True) -> int:
         """Cost in bits of one ``in_features`` (K) × ``out_features`` (N) linear, exllamav2 0.3.2
-        ``QParams.total_bits``: Σ_g rows_g·N·b_g + 16·G (q_scale_max) + 32·G (q_groups)
-        + scale_bits·G·N (q_scale) + 32·K (q_invperm) [+ 16·N bias]. With ``pad32`` N is first
-        padded to a multiple of 32, as ``ExLlamaV2Linear(pad32=True)`` does before measuring."""
+        ``QParams.total_bits``, computed by :func:`quantize.exl2.bits_cost`:
+        Σ_g rows_g·N·b_g + 16·G (q_scale_max) + 32·G (q_groups) + scale_bits·G·N (q_scale)
+        + 32·K (q_invperm) [+ 16·N bias]. With ``pad32`` N is first padded to a multiple of 32,
+        as ``ExLlamaV2Linear(pad32=True)`` does before measuring (upstream measures the padded
+        fake-quantized weight's shape). Raises InputError when the setting does not cover K."""
         n = out_features + (-out_features % 32 if pad32 else 0)
-        rem = in_features
-        groups = 0
-        bits = 0
-        for b, g in self.group_rows(in_features):
-            rows = min(self.group_size[b] * g, rem)
-            rem -= rows
-            bits += rows * n * b
-            groups += g
-        bits += groups * 16 + groups * 32 + groups * n * self.scale_bits + in_features * 32
-        if bias:
-            bits += 16 * n
-        return int(bits)
+        qp = self.qparams()
+        try:
+            return int(bits_cost(qp, in_features, n, bias))
+        except ValueError as e:
+            raise InputError(f"EXL2 setting {self.to_json()}: {e}") from None
 
 
 def module_cost_fn(shapes: Mapping[str, Sequence]) -> CostFn:

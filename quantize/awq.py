@@ -184,7 +184,7 @@ def best_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int =
             cur = torch.clamp(wg, -m, m).reshape(r, cin)
             qw = pseudo_quantize(cur, bits, group_size).w_fq.reshape(r, n_groups, group_size)
             y = torch.bmm(xg, qw.float().permute(1, 2, 0))
-            err = (y - org).pow(2).mean(dim=1)  # [G, r]
+            err = y.sub_(org).square_().mean(dim=1)  # [G, r]
             better = err < min_err
             min_err = torch.where(better, err, min_err)
             best_b.copy_(torch.where(better.T, cands[i, a:a + r], best_b))

@@ -35,7 +35,7 @@ from calibration import engine
 from calibration import eval as ceval
 from calibration.stats import StatsCollector
 from cli.common import check_output
-from convert import awq_dir, gguf_arch, gguf_load
+from convert import awq_dir, exl2_dir, gguf_arch, gguf_load
 from convert.gguf_file import temp_path_for
 from convert.imatrix_file import from_stats, write_imatrix
 from quantize.errors import InputError
@@ -200,6 +200,19 @@ def _awq_config(p: Path) -> dict:
 
 register_loader(Loader("awq", awq_dir.is_awq_dir, _awq_open, _hf_tokenizer, _hf_add_bos,
                        _awq_config, _hf_gguf_arch))
+
+
+def _exl2_open(p: Path, device, dtype, config=None):
+    return exl2_dir.streaming_model(p, device=device, dtype=dtype)
+
+
+def _exl2_config(p: Path) -> dict:
+    cfg = exl2_dir.read_exl2_config(p)
+    return {k: v for k, v in cfg.items() if k != "quantization_config"}
+
+
+register_loader(Loader("exl2", exl2_dir.is_exl2_dir, _exl2_open, _hf_tokenizer, _hf_add_bos,
+                       _exl2_config, _hf_gguf_arch))
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
   quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf   (llama-quantize's job, verified)
   quantize imatrix MODEL -o imatrix.gguf [--calib FILE] [--samples N --seqlen L]
+  quantize exl2 MODEL --bpw 4.25 -o OUT_DIR [--head-bits 6] [--measurement FILE | --measure-only FILE]
   quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
 """
 from __future__ import annotations
@@ -69,6 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--force", action="store_true", help="overwrite an existing output")
     a.add_argument("--json", action="store_true", help="print the summary as JSON")
 
+    x = sub.add_parser("exl2", help="EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a target "
+                                    "bits per weight")
+    x.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    x.add_argument("-o", "--output", help="output directory (required unless --measure-only)")
+    x.add_argument("--bpw", type=float, help="target bits per weight of the decoder layers "
+                                             "(exllamav2 -b; required unless --measure-only)")
+    x.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2, 3, 4, 5, 6 or 8 (default 6)")
+    x.add_argument("--measurement", help="reuse this measurement.json (skips the measurement pass)")
+    x.add_argument("--measure-only", metavar="FILE", help="only measure; write measurement.json to FILE")
+    x.add_argument("--calib", help="calibration text: .txt/.utf8/.md, .json/.jsonl, .parquet, a "
+                                   "datasets folder or name (default: calibration split of "
+                                   "exllamav2's wiki.utf8)")
+    x.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
+    x.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
+    x.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
+    x.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    x.add_argument("--max-shard-size", type=float, default=8192,
+                   help="MB per output file (exllamav2 -ss; default 8192, 0 = one file)")
+    _common(x)
+    x.add_argument("--force", action="store_true", help="overwrite an existing output")
+    x.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     e = sub.add_parser("eval", help="perplexity and KL divergence against the base model "
                                     "(llama-perplexity conventions)")
     e.add_argument("base", help="base model: Hugging Face directory or GGUF file")
@@ -111,6 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                              seqlen=args.seqlen, seed=args.seed, device=args.device, dtype=args.dtype,
                              batch_tokens=args.batch_tokens, max_shard_size=args.max_shard_size,
                              force=args.force, progress=not args.quiet)
+            print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
+            return 0
+        if args.verb == "exl2":
+            from cli.exl2_pipeline import quantize_exl2
+
+            s = quantize_exl2(args.model, args.output, bpw=args.bpw, head_bits=args.head_bits,
+                              measurement=args.measurement, measure_only=args.measure_only,
+                              calib=args.calib, calib_field=args.calib_field, samples=args.samples,
+                              seqlen=args.seqlen, seed=args.seed, device=args.device, dtype=args.dtype,
+                              batch_tokens=args.batch_tokens, max_shard_size=args.max_shard_size,
+                              force=args.force, progress=not args.quiet)
             print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
             return 0
         if args.verb == "eval":

@@ -85,10 +85,23 @@ def _shapes(model_dir: Path) -> dict:
     return out
 
 
+GPTQ_RUNS = {}
+
+
 @pytest.fixture(scope="module")
 def measured(models, tmp_path_factory) -> Path:
+    """measurement.json of the llama by ``--measure-only``; GPTQ runs counted by weight shape
+    and setting."""
     path = tmp_path_factory.mktemp("exl2_meas") / "measurement.json"
-    assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path)] + CAL) == 0
+    real = exl2_measure.gptq_quantize
+
+    def counting(w, h, qp, **k):
+        GPTQ_RUNS[(tuple(w.shape), qp)] = GPTQ_RUNS.get((tuple(w.shape), qp), 0) + 1
+        return real(w, h, qp, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(exl2_measure, "gptq_quantize", counting)
+        assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path)] + CAL) == 0
     return path
 
 
@@ -170,12 +183,61 @@ def test_measurement_file(measured, models):
         cost = [o["total_bits"] for o in opts]
         order = sorted(range(len(opts)), key=cost.__getitem__)
         assert acc[order[-1]] > acc[order[len(order) // 2]] > acc[order[0]]
+    # each linear quantized once per unique setting in each layer: q/k/o 14, v 15, gate/up 13,
+    # down 14 (q and o share a shape, so do gate and up)
+    per_layer = {(256, 256): 14 + 14, (128, 256): 14 + 15, (576, 256): 13 + 13, (256, 576): 14}
+    counts = {}
+    for (shape, _qp), n in GPTQ_RUNS.items():
+        assert n in (2, 4)  # 2 layers (x 2 linears of that shape using the same setting)
+        counts[shape] = counts.get(shape, 0) + n
+    assert counts == {k: 2 * v for k, v in per_layer.items()}
     # a total_bits that disagrees with the shapes is refused by the reader
     raw["measurement"]["model.layers.1.mlp"][3]["total_bits"] += 1
     bad = measured.with_name("bad.json")
     bad.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="another model"):
         read_measurement(bad, expect_layers=2, expect_shapes=shapes)
+
+
+def test_mlp_accuracy_matches_an_independent_forward(measured, models):
+    """The MLP options of layer 0, recomputed with plain transformers: input = the residual
+    stream after the attention (hooked at post_attention_layernorm), H = Σ_rows XᵀX / rows of
+    up_proj's and down_proj's inputs, y = the layer's output; accuracy = 1 − mean over rows of
+    ‖y_q − y‖_F / ‖y‖_F."""
+    from transformers import AutoModelForCausalLM
+
+    from cli import calib_pipeline as cp
+    from quantize.gptq import gptq_quantize
+
+    src = models["llama"]
+    rows, _ = cp.calibration_rows(src, samples=4, seqlen=64, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    layer = model.model.layers[0]
+    got = {}
+    hooks = [layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: got.__setitem__("h", a[0])),
+             layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: got.__setitem__("d", a[0]))]
+    with torch.no_grad():
+        y = model(rows, output_hidden_states=True).hidden_states[1]
+    for h in hooks:
+        h.remove()
+    h = got["h"]
+    x = layer.post_attention_layernorm(h).detach()
+    H = {"up": torch.einsum("rtk,rtl->kl", x, x) / 4, "down": torch.einsum("rtk,rtl->kl", got["d"], got["d"]) / 4}
+    meas = json.loads(measured.read_text())["measurement"]["model.layers.0.mlp"]
+    for j in (0, 8, 16):
+        opt = meas[j]
+        mlp = layer.mlp
+        saved = {n: getattr(mlp, n).weight.data.clone() for n in MLP}
+        for n in MLP:
+            qp = qexl2.QParams.from_dict(opt[n])
+            w = saved[n].half()
+            getattr(mlp, n).weight.data = gptq_quantize(w, H["down" if n == "down_proj" else "up"], qp).weight.float()
+        with torch.no_grad():
+            yq = h + mlp(layer.post_attention_layernorm(h))
+        for n in MLP:
+            getattr(mlp, n).weight.data = saved[n]
+        rel = ((yq - y).flatten(1).norm(dim=1) / y.flatten(1).norm(dim=1)).mean()
+        assert opt["accuracy"] == pytest.approx(1 - float(rel), abs=2e-4), j
 
 
 def test_measurement_drives_several_targets(measured, models):

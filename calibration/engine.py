@@ -238,6 +238,28 @@ class StreamingModel:
             self._head = (norm, lm_head)
         return self._head
 
+    @classmethod
+    def over_weights(cls, config: dict, weights, source: str | Path, device="cpu",
+                     dtype: torch.dtype | None = None, attn_implementation: str = "sdpa") -> "StreamingModel":
+        """A streaming model built from the HF ``config`` dict whose tensors come from
+        ``weights`` (any object with ``keys()``, ``in`` and ``get(name, device, dtype)`` under HF
+        checkpoint names, e.g. a GGUF or AWQ reader that dequantizes on demand) instead of a
+        safetensors directory. ``source`` becomes ``dir`` (for messages). Raises InputError
+        like the constructor."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="quantpress-model-") as tmp:
+            # the constructor reads config.json and lists safetensors files: give it the config
+            # and an empty file, then swap in the real weights
+            Path(tmp, "config.json").write_text(json.dumps(config))
+            save_file({}, str(Path(tmp, "model.safetensors")))
+            sm = cls(tmp, device=device, dtype=dtype, attn_implementation=attn_implementation)
+        sm.weights = weights
+        sm.dir = Path(source)
+        return sm
+
     def release(self) -> None:
         """Drop the cached head and masks (frees their device memory)."""
         self._head = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field

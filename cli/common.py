@@ -36,15 +36,9 @@ def run_command(fn: Callable[[], int]) -> int:
 def check_output(out: Path, force: bool) -> None:
     """Refuse an existing output without ``force`` and an unwritable directory (InputError)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"{out}: already exists (use --force to overwrite)")
-    if out.exists() and out.is_dir():
+    check_output_dir(out, force)
+    if out.is_dir():
         raise InputError(f"{out}: is a directory, expected a file path")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{parent}: output directory does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: output directory is not writable")
 
 
 def check_output_dir(out: Path, force: bool) -> None:

@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from tqdm import tqdm

@@ -32,14 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "llama-quantize --imatrix)")
     m.add_argument("model", help="Hugging Face model directory or GGUF file")
     m.add_argument("-o", "--output", required=True, help="output imatrix .gguf path")
-    m.add_argument("--calib", help="calibration text: .txt/.utf8/.md (one document), .json/.jsonl "
-                                   "or .parquet, a datasets folder, or a dataset name "
-                                   "owner/name[:config][@split] when online (default: calibration "
-                                   "split of exllamav2's wiki.utf8)")
-    m.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
-    m.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
-    m.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
-    m.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    _calib(m)
     _common(m)
     m.add_argument("--force", action="store_true", help="overwrite an existing output")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -51,13 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--bits", type=int, default=4, help="weight bits (4: the GEMM layout)")
     a.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale and zero point (default 128; 64 for widths like 576)")
-    a.add_argument("--calib", help="calibration text: .txt/.utf8/.md, .json/.jsonl, .parquet, a "
-                                   "datasets folder or name (default: calibration split of "
-                                   "exllamav2's wiki.utf8)")
-    a.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
-    a.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
-    a.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
-    a.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    _calib(a)
     a.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping search")
     a.add_argument("--duo-scaling", dest="duo_scaling", action="store_true", default=True,
                    help="s = x^r / w^(1-r) (default, AutoAWQ)")
@@ -102,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
+
+
+def _calib(p: argparse.ArgumentParser, samples: int = 128, seqlen: int = 512) -> None:
+    """The calibration-data options shared by the calibrating verbs."""
+    p.add_argument("--calib", help="calibration text: .txt/.utf8/.md (one document), .json/.jsonl "
+                                   "or .parquet, a datasets folder, or a dataset name "
+                                   "owner/name[:config][@split] when online (default: calibration "
+                                   "split of exllamav2's wiki.utf8)")
+    p.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
+    p.add_argument("--samples", type=int, default=samples, help=f"calibration rows (default {samples})")
+    p.add_argument("--seqlen", type=int, default=seqlen, help=f"tokens per row (default {seqlen})")
+    p.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

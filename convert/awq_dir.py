@@ -272,21 +272,11 @@ def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = 
     """A :class:`calibration.engine.StreamingModel` over an AWQ directory: transformers'
     decoder layers built from its config.json (without the quantization block), weights
     dequantized layer by layer from the directory."""
-    import tempfile
-
-    from safetensors.torch import save_file
-
     from calibration.engine import StreamingModel
 
     w = AWQWeights(path)
     cfg = {k: v for k, v in w.config.items() if k != "quantization_config"}
-    with tempfile.TemporaryDirectory(prefix="quantpress-awq-") as tmp:
-        Path(tmp, "config.json").write_text(json.dumps(cfg))
-        save_file({}, str(Path(tmp, "model.safetensors")))
-        sm = StreamingModel(tmp, device=device, dtype=dtype, attn_implementation=attn_implementation)
-    sm.weights = w
-    sm.dir = w.path
-    return sm
+    return StreamingModel.over_weights(cfg, w, w.path, device, dtype, attn_implementation)
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 
 from quantize import ggml

@@ -23,8 +23,6 @@ an HF directory, layer by layer, without ever holding the dequantized model.
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -386,8 +384,6 @@ def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = 
     ``config`` from the HF base model is checked against the file's sizes (InputError on a
     mismatch). The returned model has ``weights`` = the :class:`GGUFWeights` and ``dir`` = the
     GGUF path. Raises InputError for unreadable files, unsupported architectures or types."""
-    from safetensors.torch import save_file
-
     from calibration.engine import StreamingModel
 
     w = GGUFWeights(path)
@@ -395,12 +391,4 @@ def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = 
         config = w.hf_config()
     else:
         w.check_config(config)
-    with tempfile.TemporaryDirectory(prefix="quantpress-gguf-") as tmp:
-        # The engine reads config.json from a directory and lists its safetensors files; it gets
-        # the config and an empty safetensors file, then its weights are replaced by the GGUF's.
-        Path(tmp, "config.json").write_text(json.dumps(config))
-        save_file({}, str(Path(tmp, "model.safetensors")))
-        sm = StreamingModel(tmp, device=device, dtype=dtype, attn_implementation=attn_implementation)
-    sm.weights = w
-    sm.dir = w.path
-    return sm
+    return StreamingModel.over_weights(config, w, w.path, device, dtype, attn_implementation)

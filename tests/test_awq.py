@@ -18,7 +18,6 @@ from cli import awq_pipeline as ap
 from cli.quantize_main import main as quantize_main
 from convert import awq_dir
 from quantize import awq as qawq
-from quantize.errors import InputError
 
 CAL = dict(samples=4, seqlen=64, progress=False, device="cpu")
 

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from cli.convert_main import main as convert_main

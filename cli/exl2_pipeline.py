@@ -77,6 +77,7 @@ class EXL2Summary:
     stages: dict = field(default_factory=dict)
     roundtrip: str = ""
     measure_only: bool = False
+    objective: str = "sum"
 
     @property
     def decoder_bpw(self) -> float:
@@ -101,7 +102,8 @@ class EXL2Summary:
                   "decoder_bpw": round(self.decoder_bpw, 4), "decoder_bits": self.decoder_bits,
                   "decoder_numel": self.decoder_numel, "file_bpw": round(self.file_bpw, 4),
                   "tensor_bytes": self.tensor_bytes, "parameters": self.parameters,
-                  "err_sum": self.err_sum, "err_max": self.err_max, "head": self.head,
+                  "objective": self.objective, "err_sum": self.err_sum, "err_max": self.err_max,
+                  "head": self.head,
                   "layers": [{"layer": i, "attn": a, "mlp": m, "attn_setting": sa, "mlp_setting": sm}
                              for i, ((a, m), (sa, sm)) in enumerate(zip(self.choices, self.options))],
                   "roundtrip": self.roundtrip})
@@ -118,8 +120,8 @@ class EXL2Summary:
                  f"  EXL2 {self.target_bpw} bpw target, head {self.head_bits} bits: decoder "
                  f"{self.decoder_bpw:.4f} bpw ({self.decoder_bits} bits / {self.decoder_numel} "
                  f"weights), whole file {self.file_bpw:.3f} bpw ({self.tensor_bytes / 2 ** 20:.1f} MiB)",
-                 f"  measurement: {self.measurement}; sum err {self.err_sum:.5f}, max err "
-                 f"{self.err_max:.5f}",
+                 f"  measurement: {self.measurement}; allocation minimizing the {self.objective} "
+                 f"of module errors: sum err {self.err_sum:.5f}, max err {self.err_max:.5f}",
                  f"  calibration: {self.rows} rows x {self.seqlen} tokens",
                  "  options per layer (attn / mlp):"]
         for i, ((a, m), (sa, sm)) in enumerate(zip(self.choices, self.options)):
@@ -302,7 +304,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     strategy = meas.strategy(a.choice)
     stages["allocation"] = time.perf_counter() - t0
     summary.decoder_bits, summary.decoder_numel = a.total_bits, numel
-    summary.err_sum, summary.err_max = a.err_sum, a.err_max
+    summary.err_sum, summary.err_max, summary.objective = a.err_sum, a.err_max, objective
     summary.choices = [(a.choice[2 * i], a.choice[2 * i + 1]) for i in range(L)]
     summary.options = [tuple(_setting_text(strategy[mfile.layer_key(i, m)], cm.MODULES[m])
                              for m in ("self_attn", "mlp")) for i in range(L)]

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
     x.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
     x.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    x.add_argument("--objective", default="sum", choices=("sum", "max"),
+                   help="bit allocation: minimize the sum of module errors (default) or the "
+                        "maximum (exllamav2's intent)")
     x.add_argument("--max-shard-size", type=float, default=8192,
                    help="MB per output file (exllamav2 -ss; default 8192, 0 = one file)")
     _common(x)
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                               calib=args.calib, calib_field=args.calib_field, samples=args.samples,
                               seqlen=args.seqlen, seed=args.seed, device=args.device, dtype=args.dtype,
                               batch_tokens=args.batch_tokens, max_shard_size=args.max_shard_size,
-                              force=args.force, progress=not args.quiet)
+                              force=args.force, progress=not args.quiet, objective=args.objective)
             print(json.dumps(s.to_json(), indent=1) if args.json else s.text())
             return 0
         if args.verb == "eval":

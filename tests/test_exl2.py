@@ -343,8 +343,12 @@ def test_tied_embeddings_separate_head(models, measured, tmp_path):
 
     out = tmp_path / "tied"
     s = quantize_exl2(models["tied"], out, bpw=4.0, head_bits=4, measurement=measured, samples=4,
-                      seqlen=64, device="cpu", progress=False)
-    assert s.roundtrip.startswith("ok")
+                      seqlen=64, device="cpu", progress=False, objective="max")
+    assert s.roundtrip.startswith("ok") and s.objective == "max"
+    # the minimax allocation: no other choice within the budget has a smaller max error
+    m = read_measurement(measured)
+    ref = exl2_alloc.allocate(m.slots(), int(s.decoder_numel * 4.0))
+    assert s.err_max <= ref.err_max and s.decoder_bits <= int(s.decoder_numel * 4.0)
     t = _tensors(out)
     src = _tensors(models["tied"])
     assert "lm_head.weight" not in src and "lm_head.weight" not in t

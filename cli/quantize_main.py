@@ -66,13 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2, 3, 4, 5, 6 or 8 (default 6)")
     x.add_argument("--measurement", help="reuse this measurement.json (skips the measurement pass)")
     x.add_argument("--measure-only", metavar="FILE", help="only measure; write measurement.json to FILE")
-    x.add_argument("--calib", help="calibration text: .txt/.utf8/.md, .json/.jsonl, .parquet, a "
-                                   "datasets folder or name (default: calibration split of "
-                                   "exllamav2's wiki.utf8)")
-    x.add_argument("--calib-field", default="text", help="text column of a JSON/Parquet file (default text)")
-    x.add_argument("--samples", type=int, default=128, help="calibration rows (default 128)")
-    x.add_argument("--seqlen", type=int, default=512, help="tokens per row (default 512)")
-    x.add_argument("--seed", type=int, default=0, help="row selection seed (default 0)")
+    _calib(x)
     x.add_argument("--objective", default="sum", choices=("sum", "max"),
                    help="bit allocation: minimize the sum of module errors (default) or the "
                         "maximum (exllamav2's intent)")

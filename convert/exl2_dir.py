@@ -302,23 +302,14 @@ def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = 
     reconstructed layer by layer. When the directory has a quantized ``lm_head`` (always, for
     quantpress output; also with tied embeddings), the model uses it, as exllamav2 does:
     ``tie_word_embeddings`` is turned off for the skeleton."""
-    import tempfile
-
-    from safetensors.torch import save_file
-
     from calibration.engine import StreamingModel
 
     w = EXL2Weights(path)
     cfg = {k: v for k, v in w.config.items() if k != "quantization_config"}
     if "lm_head.weight" in w and cfg.get("tie_word_embeddings"):
         cfg["tie_word_embeddings"] = False
-    with tempfile.TemporaryDirectory(prefix="quantpress-exl2-") as tmp:
-        Path(tmp, "config.json").write_text(json.dumps(cfg))
-        save_file({}, str(Path(tmp, "model.safetensors")))
-        sm = StreamingModel(tmp, device=device, dtype=dtype, attn_implementation=attn_implementation)
+    sm = StreamingModel.over_weights(cfg, w, w.path, device, dtype, attn_implementation)
     for n, t in sm._skel.state_dict().items():
         if t.ndim == 2 and n.endswith(".weight"):
             w.out_features.setdefault(n[: -len(".weight")], int(t.shape[0]))
-    sm.weights = w
-    sm.dir = w.path
     return sm

@@ -50,7 +50,8 @@ HEAD_BITS = (2, 3, 4, 5, 6, 8)
 class EXL2Summary:
     """What ``quantize exl2`` did.
 
-    ``decoder_bits`` / ``decoder_numel``: §3 cost of the chosen options (bits) and the
+    ``detail``: seconds in GPTQ and in forwards / Hessians within the measurement and
+    quantization stages. ``decoder_bits`` / ``decoder_numel``: §3 cost of the chosen options (bits) and the
     decoder parameter count of the budget (out_features padded to 32); ``decoder_bpw`` their
     ratio (exllamav2's ``bits``). ``tensor_bytes`` / ``parameters``: bytes of every tensor
     written and parameters of the source checkpoint; ``file_bpw`` = 8·bytes / parameters
@@ -78,6 +79,7 @@ class EXL2Summary:
     roundtrip: str = ""
     measure_only: bool = False
     objective: str = "sum"
+    detail: dict = field(default_factory=dict)
 
     @property
     def decoder_bpw(self) -> float:
@@ -94,7 +96,8 @@ class EXL2Summary:
         d = {"output": str(self.out) if self.out else None, "measurement": self.measurement,
              "calibration": {"rows": self.rows, "seqlen": self.seqlen},
              "num_layers": self.num_layers, "seconds": round(self.seconds, 2),
-             "stages": {k: round(v, 2) for k, v in self.stages.items()}}
+             "stages": {k: round(v, 2) for k, v in self.stages.items()},
+             "detail": {k: round(v, 2) for k, v in self.detail.items()}}
         if self.measure_only:
             d["measure_only"] = True
             return d
@@ -126,8 +129,9 @@ class EXL2Summary:
                  "  options per layer (attn / mlp):"]
         for i, ((a, m), (sa, sm)) in enumerate(zip(self.choices, self.options)):
             lines.append(f"    {i:3d}: attn {a:2d} [{sa}]  mlp {m:2d} [{sm}]")
+        dt = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.detail.items())
         lines += [f"  head: {self.head}",
-                  f"  time {self.seconds:.1f} s ({st})",
+                  f"  time {self.seconds:.1f} s ({st})" + (f"\n    of which {dt}" if dt else ""),
                   f"  round trip: {self.roundtrip}"]
         return "\n".join(lines)
 
@@ -284,8 +288,9 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
                           n_len, L, stages=stages)
     if meas is None:
         t0 = time.perf_counter()
-        modules, last_idx = measure(sm, rows, bs, progress)
+        modules, last_idx, mt = measure(sm, rows, bs, progress)
         stages["measurement"] = time.perf_counter() - t0
+        summary.detail.update(measurement_gptq=mt.gptq, measurement_forward=mt.forward)
         if measure_only is not None:
             mfile.write_measurement(mo_path, modules, last_idx)
             summary.measurement = str(mo_path)
@@ -341,6 +346,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
         writer.add(tail)
         sm.release()
         stages["quantization"] = time.perf_counter() - t0
+        summary.detail.update(quantization_gptq=q.timings.gptq, quantization_forward=q.timings.forward)
         summary.head = (f"{head_rec.name} {head_rec.qparams} "
                         f"({'round-to-nearest' if _head_rtn(head_rec) else 'GPTQ'}), "
                         f"{head_rec.bits / (head_rec.shape[0] * head_rec.shape[1]):.3f} bpw")
@@ -374,9 +380,10 @@ def _setting_text(option: dict, names) -> str:
 
 
 def measure(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
-            progress: bool = True) -> tuple[dict, int]:
+            progress: bool = True) -> tuple[dict, int, cm.Timings]:
     """The measurement pass over ``sm`` with calibration ``rows`` (int64 [rows, seqlen]):
-    ``(measurement dict, last_module_idx)`` as measurement.json holds them."""
+    ``(measurement dict, last_module_idx)`` as measurement.json holds them, and the seconds
+    spent in GPTQ and in forwards."""
     m = cm.Measurer(int(rows.shape[0]), prefix=sm.layer_prefix)
 
     def on_layer(i, layer, inputs, outputs, ctx):
@@ -385,7 +392,8 @@ def measure(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
 
     engine.run(sm, rows, hooks_factory=m.hooks, on_layer=on_layer, batch_size=batch_size,
                progress=progress)
-    return cm.measurement_dict(m.results, sm.num_layers, sm._norm_name, sm._lm_head_name)
+    meas, last = cm.measurement_dict(m.results, sm.num_layers, sm._norm_name, sm._lm_head_name)
+    return meas, last, m.timings
 
 
 def _numel_of(sm: engine.StreamingModel):

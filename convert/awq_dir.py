@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from convert.quant_weights import QuantizedWeights
 from quantize.errors import InputError
 
 #: AutoAWQ's unpack order (inverse of the pack order [0, 2, 4, 6, 1, 3, 5, 7])
@@ -210,7 +211,7 @@ def read_awq_config(path: str | Path) -> tuple[dict, int, int]:
     return config, bits, group_size
 
 
-class AWQWeights:
+class AWQWeights(QuantizedWeights):
     """The tensors of an AWQ GEMM directory under HF ``.weight`` names, quantized linears
     dequantized by :func:`dequantize_gemm` on demand (the weights protocol of
     :class:`calibration.engine.StreamingModel`: ``keys()``, ``in``, ``get(name, device, dtype)``).
@@ -224,26 +225,7 @@ class AWQWeights:
         self.path = Path(path)
         self.config, self.bits, self.group_size = read_awq_config(self.path)
         self.raw = SafetensorsDir(self.path)
-        self.quantized = sorted(k[: -len(".qweight")] for k in self.raw.keys() if k.endswith(".qweight"))
-        names = set(self.raw.keys())
-        for m in self.quantized:
-            for suffix in (".qzeros", ".scales"):
-                if m + suffix not in names:
-                    raise InputError(f"{self.path}: '{m}.qweight' without '{m}{suffix}'")
-        self._keys = [k for k in self.raw.keys() if not k.endswith((".qweight", ".qzeros", ".scales"))]
-        self._keys += [m + ".weight" for m in self.quantized]
-        self._qset = set(self.quantized)
-
-    def keys(self):
-        """HF names (quantized linears appear as ``<module>.weight``)."""
-        return list(self._keys)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._keys
-
-    def is_quantized(self, name: str) -> bool:
-        """Whether ``name`` (``<module>.weight``) is stored as qweight/qzeros/scales."""
-        return name.endswith(".weight") and name[: -len(".weight")] in self._qset
+        self._index("qweight", ("qzeros", "scales"))
 
     def dequantized(self, module: str, device="cpu") -> torch.Tensor:
         """float16 [out, in] of quantized linear ``module`` by the reference procedure."""
@@ -257,14 +239,6 @@ class AWQWeights:
             return dequantize_gemm(qw, qz, sc, self.group_size)
         except ValueError as e:
             raise InputError(f"{self.path}: '{module}': {e}") from None
-
-    def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Tensor ``name`` (dequantized when quantized) on ``device`` in ``dtype``."""
-        if self.is_quantized(name):
-            t = self.dequantized(name[: -len(".weight")], device)
-        else:
-            t = self.raw.get(name, device)
-        return t if dtype is None else t.to(dtype)
 
 
 def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = None,

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from quantize import exl2 as qexl2
+from convert.quant_weights import QuantizedWeights
 from quantize.errors import InputError
 
 EXL2_VERSION = "0.3.2"
@@ -228,7 +229,7 @@ class _GlobDir:
         pass
 
 
-class EXL2Weights:
+class EXL2Weights(QuantizedWeights):
     """The tensors of an EXL2 directory under HF names: each quantized linear ``<m>`` appears
     as ``<m>.weight``, reconstructed by :func:`quantize.exl2.reconstruct` on demand (the
     weights protocol of :class:`calibration.engine.StreamingModel`: ``keys()``, ``in``,
@@ -243,26 +244,7 @@ class EXL2Weights:
         self.config = read_exl2_config(self.path)
         self.raw = _GlobDir(self.path)
         self.out_features = dict(out_features or {})
-        names = set(self.raw.keys())
-        self.quantized = sorted(k[: -len(".q_weight")] for k in names if k.endswith(".q_weight"))
-        for m in self.quantized:
-            for s in Q_SUFFIXES[1:]:
-                if f"{m}.{s}" not in names:
-                    raise InputError(f"{self.path}: '{m}.q_weight' without '{m}.{s}'")
-        self._qset = set(self.quantized)
-        self._keys = [k for k in self.raw.keys() if k.rsplit(".", 1)[-1] not in Q_SUFFIXES]
-        self._keys += [m + ".weight" for m in self.quantized]
-
-    def keys(self):
-        """HF names (quantized linears appear as ``<module>.weight``)."""
-        return list(self._keys)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._keys
-
-    def is_quantized(self, name: str) -> bool:
-        """Whether ``name`` (``<module>.weight``) is stored as EXL2 tensors."""
-        return name.endswith(".weight") and name[: -len(".weight")] in self._qset
+        self._index(Q_SUFFIXES[0], tuple(Q_SUFFIXES[1:]))
 
     def q_tensors(self, module: str, device="cpu") -> dict[str, torch.Tensor]:
         """The five stored tensors of quantized linear ``module``, by suffix."""

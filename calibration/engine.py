@@ -83,6 +83,12 @@ class SafetensorsDir:
     def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` on ``device``; floating tensors cast to ``dtype`` if given.
         Raises InputError if the tensor is absent or its file unreadable."""
+        t = self._handle(name).get_tensor(name)
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         f = self._files.get(name)
@@ -96,10 +102,18 @@ class SafetensorsDir:
                 h = self._open[f] = safe_open(str(f), framework="pt", device="cpu")
             except Exception as e:
                 raise InputError(f"{f}: not a readable safetensors file ({e})") from e
-        t = h.get_tensor(name)
-        if dtype is not None and t.is_floating_point():
-            return t.to(device=device, dtype=dtype)
-        return t.to(device=device)
+        return h
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` (read from the header only). Raises InputError if absent."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_rows(self, name: str, lo: int, hi: int, device="cpu",
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``name`` (along dim 0), read without reading the rest
+        of the tensor; cast to ``dtype`` if given. Raises InputError if the tensor is absent."""
+        t = self._handle(name).get_slice(name)[lo:hi]
+        return t.to(device=device, dtype=dtype) if dtype is not None else t.to(device=device)
 
     def close(self) -> None:
         self._open.clear()
@@ -107,6 +121,9 @@ class SafetensorsDir:
 
 # --------------------------------------------------------------------------------------------
 # Streaming model
+
+#: vocabulary rows of the embedding matrix read at a time by :meth:`StreamingModel.embed`
+EMBED_BLOCK_ROWS = 4096
 
 def _default_dtype(device: torch.device, config) -> torch.dtype:
     if device.type == "cpu":
@@ -281,6 +298,8 @@ class StreamingModel:
             raise InputError(f"token ids must lie in [0, {vocab}); got [{int(tokens.min())}, "
                              f"{int(tokens.max())}] (tokenizer does not match the model?)")
         out_device = self.device if out_device is None else torch.device(out_device)
+        if type(self._decoder.embed_tokens) is nn.Embedding and hasattr(self.weights, "get_rows"):
+            return self._embed_by_rows(tokens, out_device)
         emb = self.embedding()
         n, seqlen = tokens.shape
         bs = batch_size or n
@@ -288,6 +307,37 @@ class StreamingModel:
         for a in range(0, n, bs):
             out[a:a + bs] = emb(tokens[a:a + bs].to(self.device)).to(out_device)
         del emb
+        return out
+
+    def _embed_by_rows(self, tokens: torch.Tensor, out_device: torch.device) -> torch.Tensor:
+        """:meth:`embed` for a plain ``nn.Embedding`` over a checkpoint that reads row ranges:
+        the embedding matrix is read :data:`EMBED_BLOCK_ROWS` vocabulary rows at a time (only
+        blocks that some token uses) and cast to ``self.dtype``, so neither the whole matrix
+        nor a float32 copy of it is ever in memory. Same values as ``nn.Embedding``."""
+        name = self._embed_name + ".weight"
+        want = tuple(self._decoder.embed_tokens.weight.shape)
+        got = tuple(self.weights.shape(name))
+        if got != want:
+            raise InputError(f"{self.dir}: tensor '{name}' has shape {got}, expected {want} "
+                             f"from config.json")
+        vocab, hidden = want
+        n, seqlen = tokens.shape
+        out = torch.empty(n, seqlen, hidden, dtype=self.dtype, device=out_device)
+        flat_out = out.view(n * seqlen, hidden)
+        flat = tokens.reshape(-1).to(torch.int64)
+        order = torch.argsort(flat, stable=True)
+        ids = flat[order]
+        edges = torch.arange(0, vocab + EMBED_BLOCK_ROWS, EMBED_BLOCK_ROWS).clamp_max(vocab)
+        bounds = torch.searchsorted(ids, edges).tolist()
+        for b in range(len(edges) - 1):
+            a, e = bounds[b], bounds[b + 1]
+            if a == e:
+                continue
+            lo, hi = int(edges[b]), int(edges[b + 1])
+            rows = self.weights.get_rows(name, lo, hi, self.device, self.dtype)
+            sel = (ids[a:e] - lo).to(self.device)
+            flat_out[order[a:e].to(out_device)] = rows[sel].to(out_device)
+            del rows
         return out
 
     def positions(self, seqlen: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -23,6 +23,7 @@ from calibration import engine
 from cli import calib_pipeline as cp
 from cli.common import check_output_dir
 from convert import awq_dir
+from convert.shards import checked_float16, float16_rows
 from quantize.errors import InputError
 
 
@@ -81,16 +82,6 @@ class AWQSummary:
             shown = ", ".join(self.not_converted[:4]) + (" ..." if len(self.not_converted) > 4 else "")
             lines.insert(3, f"  kept FP16: {shown}")
         return "\n".join(lines)
-
-
-def _fp16(name: str, t: torch.Tensor) -> torch.Tensor:
-    h = t.to(torch.float16)
-    if not bool(torch.isfinite(h).all()):
-        if bool(torch.isfinite(t).all()):
-            raise InputError(f"tensor '{name}' has values outside the float16 range; AWQ "
-                             f"checkpoints are float16")
-        raise InputError(f"tensor '{name}' holds NaN or Inf")
-    return h
 
 
 def _check_options(opts: cawq.AWQOptions, in_features: list[int], model_dir: Path) -> None:
@@ -160,7 +151,7 @@ def quantize_awq(model: str | Path, out: str | Path, bits: int = 4, group_size: 
         writer = awq_dir.AWQDirWriter(tmp, max_shard)
         w = sm.weights
         emb = sm._embed_name + ".weight"
-        writer.add({emb: _fp16(emb, w.get(emb, "cpu"))})
+        writer.add({emb: float16_rows(w, emb)})
 
         def sink(index, tensors, res):
             writer.add(tensors)
@@ -194,11 +185,11 @@ def quantize_awq(model: str | Path, out: str | Path, bits: int = 4, group_size: 
 
         t0 = time.perf_counter()
         norm = sm._norm_name + ".weight"
-        tail = {norm: _fp16(norm, w.get(norm, "cpu"))}
+        tail = {norm: checked_float16(w.get(norm, "cpu"), norm)}
         tied = bool(getattr(sm.config, "tie_word_embeddings", False))
         head = sm._lm_head_name + ".weight"
         if not tied:
-            tail[head] = _fp16(head, w.get(head, "cpu"))
+            tail[head] = float16_rows(w, head)
         writer.add(tail)
         not_converted = [r.name for r in results if not r.quantized]
         config = awq_dir.awq_config(cfg, bits, group_size, not_converted)

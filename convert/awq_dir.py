@@ -11,7 +11,7 @@ shard size.
 
 The writer keeps nothing in memory between layers: each decoder layer's tensors go to a
 part file in the temporary output directory as soon as they exist; :meth:`AWQDirWriter.finish`
-groups the parts into shards (holding at most one shard in memory), writes the index and the
+copies them into the shards piece by piece (never a whole tensor in memory), writes the index and the
 config, and the caller renames the directory into place after the round trip.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from convert.quant_weights import QuantizedWeights
+from convert.shards import ShardSet
 from quantize.errors import InputError
 
 #: AutoAWQ's unpack order (inverse of the pack order [0, 2, 4, 6, 1, 3, 5, 7])
@@ -89,63 +90,37 @@ def dequantize_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
 
 class AWQDirWriter:
     """Writes an AWQ directory into ``tmp_dir`` (created; a temporary sibling of the final
-    path). :meth:`add` takes tensors as they are produced (one part file per call),
-    :meth:`finish` assembles the shards, config and copied files."""
+    path). :meth:`add` takes tensors as they are produced (one part file per call, tensors or
+    :class:`convert.shards.RowChunks`), :meth:`finish` assembles the shards (copied from the
+    parts piece by piece, :class:`convert.shards.ShardSet`), config and copied files."""
 
     def __init__(self, tmp_dir: Path, max_shard_bytes: int = 5 * 10 ** 9):
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=False)
         self.max_shard_bytes = max_shard_bytes
-        self._parts: list[tuple[Path, list[tuple[str, int]]]] = []
-        self.total_bytes = 0
+        self._set = ShardSet(self.dir, max_shard_bytes)
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` (name → CPU tensor) to a new part file now."""
-        from safetensors.torch import save_file
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data written so far."""
+        return self._set.total_bytes
 
-        if not tensors:
-            return
-        p = self.dir / f".part-{len(self._parts):05d}.safetensors"
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        save_file(tensors, str(p))
-        sizes = [(k, v.numel() * v.element_size()) for k, v in tensors.items()]
-        self.total_bytes += sum(s for _, s in sizes)
-        self._parts.append((p, sizes))
+    def add(self, tensors: dict) -> None:
+        """Write ``tensors`` (name → tensor or RowChunks) to a new part file now."""
+        self._set.add(tensors)
 
     def finish(self, config: dict, source_dir: Path) -> list[Path]:
-        """Group the parts, in order, into shards of at most ``max_shard_bytes`` (a part is
-        never split; one shard → ``model.safetensors``, else ``model-0000k-of-0000N`` and
-        ``model.safetensors.index.json``), write ``config.json`` and copy the tokenizer and
-        other non-weight files of ``source_dir``. Returns the shard paths."""
-        from safetensors import safe_open
-        from safetensors.torch import save_file
+        """Distribute the tensors, in the order added, into shards of at most
+        ``max_shard_bytes`` (one shard → ``model.safetensors``, else ``model-0000k-of-0000N``
+        and ``model.safetensors.index.json``), write ``config.json`` and copy the tokenizer
+        and other non-weight files of ``source_dir``. Returns the shard paths."""
+        def names(n):
+            return (["model.safetensors"] if n == 1 else
+                    [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)])
 
-        shards: list[list[Path]] = [[]]
-        size = 0
-        for p, sizes in self._parts:
-            b = sum(s for _, s in sizes)
-            if shards[-1] and size + b > self.max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(p)
-            size += b
-        n = len(shards)
-        names = (["model.safetensors"] if n == 1 else
-                 [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)])
-        weight_map = {}
-        out_paths = []
-        for name, parts in zip(names, shards):
-            sd = {}
-            for p in parts:
-                with safe_open(str(p), framework="pt") as f:
-                    for k in f.keys():
-                        sd[k] = f.get_tensor(k)
-            save_file(sd, str(self.dir / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in sd})
-            del sd
-            for p in parts:
-                p.unlink()
-            out_paths.append(self.dir / name)
+        weight_map = self._set.finish(names, metadata={"format": "pt"})
+        out_paths = [self.dir / f for f in dict.fromkeys(weight_map.values())]
+        n = len(out_paths)
         if n > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -21,8 +21,8 @@ Layout, as exllamav2 0.3.2 ``conversion/compile.py`` ``compile_model`` writes it
   version "0.3.2", bits, head_bits, calibration {rows, length, dataset}}, ``indent=4``.
 
 The writer keeps nothing between layers: each layer's tensors go to a hidden part file as
-soon as they exist; :meth:`EXL2DirWriter.finish` regroups them into shards holding at most
-one shard in memory. The caller renames the temporary directory into place after the round
+soon as they exist; :meth:`EXL2DirWriter.finish` copies them into the shards piece by piece
+(:class:`convert.shards.ShardSet`). The caller renames the temporary directory into place after the round
 trip (:func:`convert.awq_dir.replace_dir`).
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from quantize import exl2 as qexl2
 from convert.quant_weights import QuantizedWeights
+from convert.shards import ShardSet
 from quantize.errors import InputError
 
 EXL2_VERSION = "0.3.2"
@@ -71,70 +72,37 @@ class EXL2DirWriter:
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=False)
         self.max_shard_bytes = int(max_shard_bytes)
-        self._parts: list[Path] = []
-        self.total_bytes = 0
-        self.sizes: dict[str, int] = {}
+        self._set = ShardSet(self.dir, self.max_shard_bytes)
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` (name → tensor, moved to CPU) to a new part file now."""
-        from safetensors.torch import save_file
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Bytes per tensor name, in the order written."""
+        return self._set.sizes
 
-        if not tensors:
-            return
-        dup = sorted(set(tensors) & set(self.sizes))
-        if dup:
-            raise ValueError(f"EXL2DirWriter: tensor(s) {dup[:3]} written twice")
-        p = self.dir / f".part-{len(self._parts):05d}.safetensors"
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        save_file(tensors, str(p))
-        for k, v in tensors.items():
-            self.sizes[k] = v.numel() * v.element_size()
-        self.total_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
-        self._parts.append(p)
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data written so far."""
+        return self._set.total_bytes
 
-    def _shard_plan(self) -> list[list[tuple[Path, str]]]:
-        from safetensors import safe_open
-
-        shards: list[list[tuple[Path, str]]] = [[]]
-        size = 0
-        for p in self._parts:
-            with safe_open(str(p), framework="pt") as f:
-                names = list(f.keys())
-            for k in names:      # safetensors sorts keys; part files are per layer, order kept
-                b = self.sizes[k]
-                if self.max_shard_bytes and shards[-1] and size + b > self.max_shard_bytes:
-                    shards.append([])
-                    size = 0
-                shards[-1].append((p, k))
-                size += b
-        return shards
+    def add(self, tensors: dict) -> None:
+        """Write ``tensors`` (name → tensor, or :class:`convert.shards.RowChunks`) to a new
+        part file now. Raises ValueError for a name written twice."""
+        try:
+            self._set.add(tensors)
+        except ValueError as e:
+            raise ValueError(f"EXL2DirWriter: {e}") from None
 
     def finish(self, config: dict, source_dir: Path) -> list[Path]:
         """Write the shards (``output.safetensors`` or ``output-0000k-of-0000N.safetensors``,
-        no metadata, at most one shard in memory), copy the source's non-weight files and
-        write ``config.json`` (``indent=4``). Returns the shard paths."""
-        from safetensors import safe_open
-        from safetensors.torch import save_file
+        no metadata; bytes copied from the part files piece by piece, so no tensor is held in
+        memory), copy the source's non-weight files and write ``config.json`` (``indent=4``).
+        Returns the shard paths."""
+        def names(n):
+            return (["output.safetensors"] if n == 1 else
+                    [f"output-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)])
 
-        plan = self._shard_plan()
-        n = len(plan)
-        names = (["output.safetensors"] if n == 1 else
-                 [f"output-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)])
-        out_paths = []
-        for name, items in zip(names, plan):
-            sd = {}
-            by_part: dict[Path, list[str]] = {}
-            for p, k in items:
-                by_part.setdefault(p, []).append(k)
-            for p, ks in by_part.items():
-                with safe_open(str(p), framework="pt") as f:
-                    for k in ks:
-                        sd[k] = f.get_tensor(k)
-            save_file(sd, str(self.dir / name))
-            del sd
-            out_paths.append(self.dir / name)
-        for p in self._parts:
-            p.unlink()
+        weight_map = self._set.finish(names)
+        out_paths = [self.dir / f for f in dict.fromkeys(weight_map.values())]
         for f in sorted(Path(source_dir).iterdir()):
             if f.is_file() and not f.name.endswith(_NOT_COPIED_SUFFIXES) and f.name != "config.json":
                 shutil.copy(f, self.dir / f.name)

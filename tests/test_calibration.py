@@ -127,6 +127,29 @@ def test_streaming_smollm2_real(smollm2_dir, cal_dir):
         assert col[name].imatrix()[1] == x.shape[0] == 2 * 32
 
 
+def test_embed_reads_row_blocks(tiny, monkeypatch):
+    """embed() reads the embedding matrix by vocabulary blocks (never whole, never in
+    float32): same values as transformers' nn.Embedding over the float32 weights."""
+    sm = engine.StreamingModel(tiny["llama"])
+    toks = _tokens(seed=3)
+    toks[0, :3] = torch.tensor([0, 49151, 1000])  # first row, last row, a block edge
+    expected = sm.embedding()(toks)
+    calls = []
+    get_rows = sm.weights.get_rows
+
+    def spy(name, lo, hi, *a, **k):
+        calls.append((lo, hi))
+        return get_rows(name, lo, hi, *a, **k)
+
+    monkeypatch.setattr(engine, "EMBED_BLOCK_ROWS", 1000)
+    monkeypatch.setattr(sm.weights, "get_rows", spy)
+    got = sm.embed(toks, batch_size=1)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    used = {int(t) // 1000 for t in toks.reshape(-1)}
+    assert calls == [(b * 1000, min(49152, b * 1000 + 1000)) for b in sorted(used)]
+    assert (49000, 49152) in calls and len(calls) < 50
+
+
 def test_on_layer_output_feeds_next_layer(tiny):
     """What on_layer returns is the next layer's input; ctx.forward reruns the layer."""
     toks = _tokens(seed=4)

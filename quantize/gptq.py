@@ -31,9 +31,9 @@ MIN_DAMP = 1e-5
 MAX_ATTEMPTS = 10
 #: Scale search: p runs over MIN_P..MAX_P in P_GRID steps; error norm |err|^ERR_NORM.
 MIN_P, MAX_P, P_GRID, ERR_NORM = 0.70, 1.20, 96, 3.5
-#: Elements per scale-search chunk ([p, rows, N] float32 temporaries): on CPU 2^19 (2 MiB
-#: each, they stay in cache: the search ran 4x faster than with 2^23 on the 2-core EPYC CI
-#: machine, same sums bit for bit); elsewhere 2^23 (fewer kernel launches).
+#: Elements per scale-search chunk ([p, rows, N] float32 scratch): on CPU 2^19 (2 MiB each,
+#: they stay in cache: 4x faster than 2^23 on the 2-core EPYC CI machine, the same sums bit
+#: for bit); elsewhere 2^23 (fewer kernel launches).
 _SEARCH_ELEMS_CPU = 1 << 19
 _SEARCH_ELEMS = 1 << 23
 
@@ -122,15 +122,25 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
         grid = p_grid(x.device)
     z = float(1 << (bits - 1))
     budget = _SEARCH_ELEMS_CPU if x.device.type == "cpu" else _SEARCH_ELEMS
-    per = max(1, budget // max(1, x.numel()))
-    out = []
-    for p in grid.split(per):
-        s = cand[None, None, :] * p[:, None, None]                  # [P, 1, N]
-        e = torch.round(x[None] / s).clamp_(-z, z - 1.0).mul_(s).sub_(x[None]).abs_()
-        e35 = e * e
-        e35.mul_(e).mul_(e.sqrt_())                                  # |err|^3.5
-        out.append(e35.sum(dim=(1, 2)))
-    return torch.cat(out)
+    rn, P = x.numel(), grid.numel()
+    per = min(P, max(1, budget // max(1, rn)))
+    # two scratch buffers for all chunks (fresh temporaries per op cost page faults: 2-3x)
+    e_buf = torch.empty(per * rn, dtype=torch.float32, device=x.device)
+    t_buf = torch.empty_like(e_buf)
+    out = torch.empty(P, dtype=torch.float32, device=x.device)
+    xb = x[None]
+    for i in range(0, P, per):
+        p = grid[i:i + per]
+        m = p.numel()
+        s = cand[None, None, :] * p[:, None, None]                   # [m, 1, N]
+        e = e_buf[:m * rn].view(m, *x.shape)
+        torch.div(xb, s, out=e)
+        e.round_().clamp_(-z, z - 1.0).mul_(s).sub_(xb).abs_()
+        e35 = t_buf[:m * rn].view(m, *x.shape)
+        torch.mul(e, e, out=e35)
+        e35.mul_(e).mul_(e.sqrt_())                                   # |err|^3.5
+        torch.sum(e35, dim=(1, 2), out=out[i:i + m])
+    return out
 
 
 def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

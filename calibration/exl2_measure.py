@@ -69,6 +69,9 @@ MIN_BEST_ACCURACY = 0.1
 #: lm_head is quantized by round-to-nearest above this many weights (exllamav2 quantize.py)
 RTN_HEAD_NUMEL = 1e9
 FP16_MAX = float(torch.finfo(torch.float16).max)
+#: :func:`content_share`: a token whose hidden-state norm exceeds this multiple of its row's
+#: median token norm is an outlier (attention sink / massive activation)
+OUTLIER_TOKEN_FACTOR = 4.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +178,45 @@ def module_accuracy(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return max(1e-6, 1.0 - float(rel.mean()))
 
 
+def content_share(y_ref: torch.Tensor, factor: float | None = None) -> float:
+    """The share of a module output's norm carried by ordinary tokens:
+    ``ρ = mean_rows(‖y_ref[ordinary tokens]‖_F / ‖y_ref‖_F)`` (dimensionless, in (0, 1]),
+    ``y_ref`` [rows, seq, hidden], in float32 per row. A token is ordinary unless its hidden
+    state's norm exceeds ``factor`` (default :data:`OUTLIER_TOKEN_FACTOR`) times the median
+    token norm of its row: the outliers are attention-sink tokens carrying a massive activation
+    (SmolLM2-135M: from layer 11 on, position 0 has norm ≈ 23 850 against ≈ 150 for the other
+    tokens, so it makes up 99% of ‖y_ref‖_F). Since err = 1 − accuracy = mean_rows(‖y_q −
+    y_ref‖_F / ‖y_ref‖_F) (:func:`module_accuracy`), err / ρ ≈ ‖y_q − y_ref‖_F / ‖y_ref[ordinary
+    tokens]‖_F: the module's error relative to the residual stream's content rather than to a
+    norm that one token dominates."""
+    factor = OUTLIER_TOKEN_FACTOR if factor is None else float(factor)
+    tn = torch.linalg.vector_norm(y_ref.float(), dim=-1)                 # [rows, seq]
+    ordinary = tn <= factor * tn.median(dim=1, keepdim=True).values
+    full = torch.linalg.vector_norm(tn, dim=1)
+    part = torch.linalg.vector_norm(torch.where(ordinary, tn, torch.zeros_like(tn)), dim=1)
+    return float((part / full.clamp_min(1e-30)).mean())
+
+
+@dataclass
+class ContentProbe:
+    """One unquantized forward pass over the calibration rows that records, per EXL2 module,
+    the :func:`content_share` ρ of its reference output (``results``: measurement key → ρ).
+    Use :meth:`on_layer` as :func:`calibration.engine.run`'s ``on_layer`` (no hooks needed):
+    the layer's own output is the MLP block's reference output, so each layer costs one extra
+    attention-block forward."""
+
+    results: dict = field(default_factory=dict)
+
+    @torch.no_grad()
+    def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
+                 ctx) -> None:
+        attn, kw = block(layer, "self_attn")
+        y_attn = ctx.forward(attn, inputs, with_kwargs=kw, what=f"attention of decoder layer {index}")
+        self.results[layer_key(index, "self_attn")] = content_share(y_attn)
+        self.results[layer_key(index, "mlp")] = content_share(outputs)
+        return None
+
+
 def padded(n: int) -> int:
     """N rounded up to a multiple of 32 (``ExLlamaV2Linear(pad32=True)``)."""
     return n + (-n % qexl2.COLUMN_PAD)
@@ -206,13 +248,17 @@ class Measurer:
     decoder layers' checkpoint prefix (``model.layers.``). ``attn_opts`` / ``mlp_opts``: the
     candidates (default: :func:`quantize.exl2.attn_options` / ``mlp_options``, 19 / 17).
     After the run, ``results`` maps ``model.layers.N.self_attn`` / ``.mlp`` to the option
-    lists of measurement.json (spec §2) and ``quantized`` counts the GPTQ runs per module."""
+    lists of measurement.json (spec §2), ``content`` maps the same keys to the
+    :func:`content_share` ρ of the module's reference output (not part of measurement.json:
+    the ``"content"`` allocation objective divides err by it) and ``quantized`` counts the
+    GPTQ runs per module."""
 
     rows: int
     prefix: str = "model.layers."
     attn_opts: list = field(default_factory=qexl2.attn_options)
     mlp_opts: list = field(default_factory=qexl2.mlp_options)
     results: dict = field(default_factory=dict)
+    content: dict = field(default_factory=dict)
     quantized: dict = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
     _col: HessianCapture | None = None
@@ -235,11 +281,13 @@ class Measurer:
         attn, kw = block(layer, "self_attn")
         y_attn = ctx.forward(attn, inputs, with_kwargs=kw, what=f"attention of decoder layer {index}")
         self.timings.forward += time.perf_counter() - t0
+        self.content[layer_key(index, "self_attn")] = content_share(y_attn)
         self.measure_module(index, layer, "self_attn", inputs, y_attn, col, ctx)
         t0 = time.perf_counter()
         mlp, kw = block(layer, "mlp")
         y_mlp = ctx.forward(mlp, y_attn, with_kwargs=kw, what=f"MLP of decoder layer {index}")
         self.timings.forward += time.perf_counter() - t0
+        self.content[layer_key(index, "mlp")] = content_share(y_mlp)
         self.measure_module(index, layer, "mlp", y_attn, y_mlp, col, ctx)
         return None
 

@@ -9,16 +9,58 @@ multiple-choice knapsack:
   ``e[s, j] = 1 − accuracy`` (float, from measurement.json);
 * **budget** ``B = int(numel × bpw)`` bits, numel = the parameter count of the decoder-layer
   modules (:func:`decoder_numel`, :func:`budget_bits`); the embedding and the head are excluded;
-* **objective** ``"sum"`` (default): minimize Σ_s e[s, j_s]^power subject to Σ_s c[s, j_s] ≤ B.
-  ``"max"``: minimize max_s e[s, j_s] exactly (bisection over the measured error values), then,
-  among the options with e ≤ that optimum, minimize Σ e^power as for ``"sum"``.
+* **aggregate** (:func:`allocate`'s ``objective``) ``"sum"``: minimize Σ_s w[s, j_s]^power
+  subject to Σ_s c[s, j_s] ≤ B; ``"max"``: minimize max_s w[s, j_s] exactly (bisection over the
+  measured values), then, among the options with w ≤ that optimum, minimize Σ w^power as for
+  ``"sum"``; w is the error the slots carry.
 
-Why Σ err by default: the per-module errors are relative output errors measured on reference
-inputs; in the quantized model they compound layer after layer, so their sum is the natural
-proxy of the end-to-end damage. exllamav2 minimizes Σ err^p with p ∈ [1.5, 3.5] chosen to make
-the maximum error small (its README: "minimizes the maximum quantization error"); ``power``
-and ``objective="max"`` reproduce those two intentions exactly. The file format does not record
-how options were chosen (spec §4: "alternative solvers are legitimate").
+``quantize exl2 --objective`` (:data:`OBJECTIVE_MODES`):
+
+* ``"content"`` (default): w = err / ρ, power 2, i.e. minimize Σ_s (err_s / ρ_s)², where ρ_s =
+  mean_rows(‖y_ref[ordinary tokens]‖ / ‖y_ref‖) is the share of module s's unquantized output
+  norm carried by ordinary tokens (:func:`content_slots`,
+  :func:`calibration.exl2_measure.content_share`: a token is not ordinary when its norm
+  exceeds 4× its row's median token norm). err / ρ ≈ ‖y_q − y_ref‖ / ‖y_ref[ordinary
+  tokens]‖;
+* ``"sum"``: w = err, power 1 (Σ err, the measured errors as they are);
+* ``"max"``: w = err, minimax (exllamav2's stated intent, "minimizes the maximum quantization
+  error"; exllamav2 itself anneals Σ err^p with p ∈ [1.5, 3.5] picked for a small max err).
+
+Why ``"content"``. exllamav2's err is relative to ‖y_ref‖_F over all tokens of a row, and in
+models with an attention sink one token dominates that norm: in SmolLM2-135M, from layer 11
+on, position 0 carries a massive activation (hidden-state norm ≈ 23 850 against ≈ 150 for the
+other tokens), so ‖y_ref‖ is 99% that token and every module of layers 11–27 shows
+err < 0.01 even at its cheapest option (ρ ≈ 0.1 there, ≈ 0.7–1 before layer 11). Σ err then
+starves those layers (2.3–2.4 bpw MLPs at a 4.0 target) although their errors matter as much
+once measured against the tokens that carry content. Dividing by ρ restores that scale; the
+square follows from the KL divergence being, to second order, a quadratic form in the output
+perturbation, with independent module errors adding in quadrature. ρ is not in
+measurement.json (its schema stays exllamav2's, so exllamav2's own files work): the pipeline
+takes it from the measurement pass, or from one unquantized forward pass over the calibration
+rows when a measurement is reused.
+
+Measured (SmolLM2-135M-Instruct, one measurement of 8 × 256 calibration tokens, 4.0 bpw
+target, ``quantize eval --ctx 256 --chunks 8``, KL divergence from the FP16 model; the
+allocation's error weights varied, everything else fixed):
+
+  objective                                           KLD mean   PPL
+  Σ err (``"sum"``, the former default)               0.393      26.65
+  max err (``"max"``)                                 0.494      29.76
+  Σ err / r, r = ‖y_ref − h‖ / ‖y_ref‖ (h the input)  0.396      27.76
+  Σ (err / r)²                                        0.258      23.64
+  Σ err / √r                                          0.240      23.15
+  max err / r                                         0.265      23.50
+  Σ err / ρ                                           0.176      21.86
+  Σ (err / ρ)²  (``"content"``)                       0.157      22.06
+  Σ (err / ρ)³                                        0.160      22.07
+  max err / ρ                                         0.166      21.31
+
+FP16 PPL 18.63; for scale, the issue reports KLD 0.20 for a uniform choice (attn option 6,
+mlp option 7: 4.17 bpw). r, each module's own update relative to its output (the first idea,
+tried because it needs no token outlier rule), divides by a norm that the sink token also
+dominates and starves layer 0 and the MLPs that create or remove the sink. The full bpw
+sweep and the comparison with GGUF are printed by ``scripts/exl2_quality.py``. The file format does not record how options were chosen (spec
+§4: "alternative solvers are legitimate").
 
 Solver (``"sum"``), exact with a certificate; each round:
 
@@ -53,7 +95,15 @@ import numpy as np
 
 from quantize.errors import InputError
 
+#: the aggregates :func:`allocate` minimizes (Σ err^power, or max err)
 OBJECTIVES = ("sum", "max")
+#: ``quantize exl2 --objective`` → (err divided by the module's content share ρ, aggregate,
+#: power): ``"content"`` minimizes Σ (err / ρ)², ``"sum"`` Σ err, ``"max"`` max err
+OBJECTIVE_MODES = {"content": (True, "sum", 2.0), "sum": (False, "sum", 1.0),
+                   "max": (False, "max", 1.0)}
+DEFAULT_OBJECTIVE = "content"
+#: content shares ρ below this are raised to it (keeps err / ρ finite)
+MIN_SHARE = 1e-6
 DEFAULT_GRID = 1 << 16
 
 
@@ -170,6 +220,29 @@ def _range_error(budget: int, lo: int, hi: int, numel: int | None) -> InputError
                           f"most expensive options)")
     return InputError(f"budget {budget} bits is {side} the reachable range [{lo}, {hi}] bits "
                       f"of this measurement")
+
+
+def content_slots(slots, shares: Sequence[float]) -> list[list[tuple[int, float]]]:
+    """The slots with every err divided by its module's content share ρ (the ``"content"``
+    objective): ``err / max(ρ, MIN_SHARE)``, costs unchanged.
+
+    ``shares``: per slot (same order), ρ = mean_rows(‖y_ref[ordinary tokens]‖ / ‖y_ref‖) of
+    the module's unquantized output (dimensionless, in (0, 1];
+    :func:`calibration.exl2_measure.content_share`). Since err = mean_rows(‖y_q − y_ref‖ /
+    ‖y_ref‖), err / ρ ≈ ‖y_q − y_ref‖ / ‖y_ref[ordinary tokens]‖: the error relative to the
+    residual stream's content, not to a norm that an attention-sink token dominates. Raises
+    InputError when the counts differ or a ρ is not a finite number ≥ 0."""
+    slots = list(slots)
+    q = np.asarray(shares, dtype=np.float64)
+    if q.shape != (len(slots),):
+        raise InputError(f"{q.size} module content shares for {len(slots)} slots")
+    bad = ~(np.isfinite(q) & (q >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InputError(f"content share of slot {i} is {float(q[i])}, not a finite number ≥ 0 "
+                         f"(NaN/Inf hidden states in the unquantized forward pass?)")
+    q = np.maximum(q, MIN_SHARE)
+    return [[(int(c), float(e) / float(qi)) for c, e in s] for s, qi in zip(slots, q)]
 
 
 # --------------------------------------------------------------------------------------------

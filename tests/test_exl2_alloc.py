@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from calibration.exl2_alloc import (allocate, budget_bits, decoder_numel, reachable_bits,
-                                    reachable_bpw)
+from calibration.exl2_alloc import (OBJECTIVE_MODES, allocate, budget_bits, content_slots,
+                                    decoder_numel, reachable_bits, reachable_bpw)
 from calibration.exl2_measurement import (QSetting, module_cost_fn, read_measurement,
                                           slot_keys, validate_schema, write_measurement)
 from quantize.errors import InputError
@@ -614,3 +614,69 @@ def test_bad_arguments():
     for bad in ([], [[]], [[(10, float("nan"))]], [[(-1, 0.1)]]):
         with pytest.raises(ValueError):
             allocate(bad, 15)
+
+
+# --------------------------------------------------------------------------------------------
+# The "content" objective: err / q, q the non-sink share of a module output's norm
+
+
+def test_content_share_excludes_sink_tokens():
+    """q = mean over rows of ‖ordinary tokens‖ / ‖all tokens‖, a token being an outlier when
+    its norm exceeds 4x the row's median token norm; checked against a per-row loop."""
+    import torch
+
+    from calibration.exl2_measure import OUTLIER_TOKEN_FACTOR, content_share, module_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(3, 40, 16, generator=g)
+    y[:, 0] *= 150.0                                   # an attention sink at position 0
+    y[1, 7] *= 3.0                                     # a large but ordinary token
+    ref = []
+    for row in y:
+        tn = row.norm(dim=-1)
+        med = tn.median()
+        keep = [float(t) ** 2 for t in tn if t <= OUTLIER_TOKEN_FACTOR * med]
+        ref.append(math.sqrt(sum(keep)) / float(tn.norm()))
+    q = content_share(y)
+    assert q == pytest.approx(sum(ref) / len(ref), rel=1e-5)
+    assert q < 0.1                                      # the sink dominates ‖y‖
+    assert content_share(y[:, 1:]) == pytest.approx(1.0)   # no sink: every token counts
+    # err / q is the error relative to the ordinary tokens' norm: perturb only those tokens
+    d = torch.randn(3, 40, 16, generator=g) * 0.01
+    d[:, 0] = 0
+    err = 1 - module_accuracy(y + d, y)
+    rel_content = float((d.flatten(1).norm(dim=1) / y[:, 1:].flatten(1).norm(dim=1)).mean())
+    assert err / q == pytest.approx(rel_content, rel=0.05)
+    assert err < 0.2 * rel_content                     # what the plain err hides
+
+
+def test_content_slots_divide_errors():
+    slots = [[(10, 0.1), (20, 0.05)], [(10, 0.02), (30, 0.01)]]
+    out = content_slots(slots, [0.5, 0.1])
+    assert out == [[(10, 0.2), (20, 0.1)], [(10, pytest.approx(0.2)), (30, pytest.approx(0.1))]]
+    assert content_slots(slots, [1.0, 0.0])[1][0][1] == pytest.approx(0.02 / 1e-6)  # floored q
+    for bad, frag in (([0.5], "1 module content shares for 2 slots"),
+                      ([0.5, float("nan")], "content share of slot 1 is nan"),
+                      ([-0.1, 0.5], "content share of slot 0")):
+        with pytest.raises(InputError, match=re.escape(frag)):
+            content_slots(slots, bad)
+
+
+def test_content_objective_moves_bits_to_sink_dominated_slots():
+    """The same measured errs, but the second half of the slots has q = 0.1 (their outputs'
+    norm is 90% one sink token, as in SmolLM2 layers 11-27): the "content" objective gives
+    them more bits than the plain sum, and its choice is the MILP optimum of Σ (err / q)²."""
+    normalize, aggregate, power = OBJECTIVE_MODES["content"]
+    assert normalize and aggregate == "sum" and power == 2.0
+    slots = smol_slots(12)
+    q = [1.0] * SMOL_LAYERS + [0.1] * SMOL_LAYERS
+    budget = budget_bits(4.0, SMOL_NUMEL)
+    scaled = content_slots(slots, q)
+    a = allocate(scaled, budget, power=power)
+    plain = allocate(slots, budget)
+    half = len(slots) // 2
+    bits = lambda ch: sum(slots[s][j][0] for s, j in enumerate(ch) if s >= half)
+    assert bits(a.choice) > bits(plain.choice)
+    ref_choice, _ = milp_reference(scaled, budget, power=power)
+    ref = sum(e ** 2 for e in cost_err(scaled, ref_choice)[1])
+    assert abs(a.objective_value - ref) <= 1e-9 * ref and a.total_bits <= budget

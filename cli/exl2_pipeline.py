@@ -10,7 +10,13 @@ Stages (specs/exl2.md §1; exllamav2 0.3.2 ``convert.py``):
    and stops; ``--measurement FILE`` reuses one (exllamav2's ``-om`` / ``-m``), validated
    against the model (layer count, every option's total_bits against this model's shapes).
 3. **allocation** (:func:`calibration.exl2_alloc.allocate`): one option per module under the
-   budget ``int(decoder numel × bpw)`` bits (§4; exact knapsack instead of annealing).
+   budget ``int(decoder numel × bpw)`` bits (§4; exact knapsack instead of annealing). The
+   default objective ``"content"`` minimizes Σ (err / ρ)², ρ the share of each module
+   output's norm carried by ordinary (non-sink) tokens
+   (:func:`calibration.exl2_measure.content_share`): ρ comes from the measurement pass, or,
+   with ``--measurement``, from one unquantized forward pass over the calibration rows
+   (:class:`calibration.exl2_measure.ContentProbe`); measurement.json keeps exllamav2's
+   schema, so a file written by exllamav2 works too.
 4. **quantization** (:class:`calibration.exl2_measure.Quantizer`): sequential GPTQ with error
    propagation, then the head at ``--head-bits``.
 5. **write** (:class:`convert.exl2_dir.EXL2DirWriter`): part files per layer in a temporary
@@ -44,6 +50,9 @@ from quantize import exl2 as qexl2
 from quantize.errors import InputError
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
+#: what each ``--objective`` minimizes, in words (summary text)
+OBJECTIVE_TEXT = {"content": "sum of squared module errors relative to the non-sink tokens' norm",
+                  "sum": "sum of module errors", "max": "maximum module error"}
 
 
 @dataclass
@@ -51,12 +60,17 @@ class EXL2Summary:
     """What ``quantize exl2`` did.
 
     ``detail``: seconds in GPTQ and in forwards / Hessians within the measurement and
-    quantization stages. ``decoder_bits`` / ``decoder_numel``: §3 cost of the chosen options (bits) and the
+    quantization stages, and in the unquantized forward pass that the ``"content"`` objective
+    runs within the allocation stage when a measurement is reused. ``decoder_bits`` / ``decoder_numel``: §3 cost of the chosen options (bits) and the
     decoder parameter count of the budget (out_features padded to 32); ``decoder_bpw`` their
     ratio (exllamav2's ``bits``). ``tensor_bytes`` / ``parameters``: bytes of every tensor
     written and parameters of the source checkpoint; ``file_bpw`` = 8·bytes / parameters
     (embeddings, norms and head included). ``choices``: per layer (attn option, mlp option)
-    indices; ``options``: their settings in spec notation. ``stages``: seconds per stage."""
+    indices; ``options``: their settings in spec notation. ``stages``: seconds per stage.
+    ``objective``: the allocation objective (:data:`calibration.exl2_alloc.OBJECTIVE_MODES`);
+    ``err_sum`` / ``err_max``: Σ and max of the chosen options' measured err = 1 − accuracy;
+    ``objective_value``: what the allocation minimized (Σ (err / ρ)² for ``"content"``);
+    ``content``: per layer (ρ attn, ρ mlp) for ``"content"`` (else empty)."""
 
     out: Path | None
     target_bpw: float | None
@@ -78,8 +92,10 @@ class EXL2Summary:
     stages: dict = field(default_factory=dict)
     roundtrip: str = ""
     measure_only: bool = False
-    objective: str = "sum"
+    objective: str = alloc.DEFAULT_OBJECTIVE
     detail: dict = field(default_factory=dict)
+    content: list = field(default_factory=list)
+    objective_value: float = 0.0
 
     @property
     def decoder_bpw(self) -> float:
@@ -105,10 +121,13 @@ class EXL2Summary:
                   "decoder_bpw": round(self.decoder_bpw, 4), "decoder_bits": self.decoder_bits,
                   "decoder_numel": self.decoder_numel, "file_bpw": round(self.file_bpw, 4),
                   "tensor_bytes": self.tensor_bytes, "parameters": self.parameters,
-                  "objective": self.objective, "err_sum": self.err_sum, "err_max": self.err_max,
-                  "head": self.head,
-                  "layers": [{"layer": i, "attn": a, "mlp": m, "attn_setting": sa, "mlp_setting": sm}
-                             for i, ((a, m), (sa, sm)) in enumerate(zip(self.choices, self.options))],
+                  "objective": self.objective, "objective_value": self.objective_value,
+                  "err_sum": self.err_sum, "err_max": self.err_max, "head": self.head,
+                  "layers": [{"layer": i, "attn": a, "mlp": m, "attn_setting": sa, "mlp_setting": sm,
+                              **({"share_attn": sc[0], "share_mlp": sc[1]} if sc else {})}
+                             for i, ((a, m), (sa, sm), sc) in enumerate(
+                                 zip(self.choices, self.options,
+                                     self.content or [None] * len(self.choices)))],
                   "roundtrip": self.roundtrip})
         return d
 
@@ -123,8 +142,9 @@ class EXL2Summary:
                  f"  EXL2 {self.target_bpw} bpw target, head {self.head_bits} bits: decoder "
                  f"{self.decoder_bpw:.4f} bpw ({self.decoder_bits} bits / {self.decoder_numel} "
                  f"weights), whole file {self.file_bpw:.3f} bpw ({self.tensor_bytes / 2 ** 20:.1f} MiB)",
-                 f"  measurement: {self.measurement}; allocation minimizing the {self.objective} "
-                 f"of module errors: sum err {self.err_sum:.5f}, max err {self.err_max:.5f}",
+                 f"  measurement: {self.measurement}; allocation objective '{self.objective}' "
+                 f"({OBJECTIVE_TEXT[self.objective]}) = {self.objective_value:.5f}; module errors: "
+                 f"sum {self.err_sum:.5f}, max {self.err_max:.5f}",
                  f"  calibration: {self.rows} rows x {self.seqlen} tokens",
                  "  options per layer (attn / mlp):"]
         for i, ((a, m), (sa, sm)) in enumerate(zip(self.choices, self.options)):
@@ -215,7 +235,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
                   batch_tokens: int = cp.DEFAULT_BATCH_TOKENS,
                   max_shard_size: float = exl2_dir.DEFAULT_SHARD_MB, force: bool = False,
                   progress: bool = True, cal_dir: str | Path | None = None,
-                  objective: str = "sum") -> EXL2Summary:
+                  objective: str = alloc.DEFAULT_OBJECTIVE) -> EXL2Summary:
     """Quantize the HF model directory ``model`` to EXL2 at ``bpw`` decoder bits per weight
     (head at ``head_bits``) into the directory ``out``; or, with ``measure_only``, only write
     the measurement there.
@@ -224,8 +244,10 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     ``samples`` rows × ``seqlen`` tokens of ``calib`` (default: exllamav2's wiki.utf8 split),
     forwards in ``dtype`` (default float32) on ``device`` with ``batch_tokens`` tokens per
     batch. ``max_shard_size``: MB per output file (exllamav2 ``-ss``; 0 = one file).
-    ``objective``: the allocation's ("sum" of errors, or "max"). An existing ``out`` (or
-    measurement file) needs ``force``.
+    ``objective``: the allocation's: ``"content"`` (default; Σ (err / ρ)², ρ each module
+    output's non-sink share, see :mod:`calibration.exl2_alloc`), ``"sum"`` (Σ err, as measured)
+    or ``"max"`` (max err).
+    An existing ``out`` (or measurement file) needs ``force``.
 
     Raises InputError for bad input, before anything is written: a bpw outside the reachable
     range (stated), head bits not in {2,3,4,5,6,8}, a measurement of another model (layer
@@ -255,8 +277,8 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     head_qp = _head_qparams(head_bits)
     max_shard = exl2_dir.shard_bytes(max_shard_size)
     cfg = ld.hf_config(src)
-    if objective not in alloc.OBJECTIVES:
-        raise InputError(f"objective {objective!r}: choose one of {', '.join(alloc.OBJECTIVES)}")
+    if objective not in alloc.OBJECTIVE_MODES:
+        raise InputError(f"objective {objective!r}: choose one of {', '.join(alloc.OBJECTIVE_MODES)}")
 
     dev = cp.pick_device(device)
     sm = ld.open(src, dev, cp.pick_dtype(dtype))
@@ -286,9 +308,11 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     summary = EXL2Summary(out if measure_only is None else None, bpw, int(head_bits),
                           str(measurement) if measurement is not None else "measured", n_rows,
                           n_len, L, stages=stages)
+    by_content, aggregate, power = alloc.OBJECTIVE_MODES[objective]
+    shares: dict | None = None
     if meas is None:
         t0 = time.perf_counter()
-        modules, last_idx, mt = measure(sm, rows, bs, progress)
+        modules, last_idx, mt, shares = measure(sm, rows, bs, progress)
         stages["measurement"] = time.perf_counter() - t0
         summary.detail.update(measurement_gptq=mt.gptq, measurement_forward=mt.forward)
         if measure_only is not None:
@@ -305,11 +329,22 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
         stages["measurement"] = 0.0
 
     t0 = time.perf_counter()
-    a = alloc.allocate(meas.slots(), budget, numel=numel, objective=objective)
+    slots = meas.slots()
+    if by_content:
+        if shares is None:
+            t1 = time.perf_counter()
+            shares = content_shares(sm, rows, bs, progress)
+            summary.detail["allocation_forward"] = time.perf_counter() - t1
+        rho = [shares[k] for k in meas.slot_keys()]
+        summary.content = [(rho[2 * i], rho[2 * i + 1]) for i in range(L)]
+        slots = alloc.content_slots(slots, rho)
+    a = alloc.allocate(slots, budget, numel=numel, objective=aggregate, power=power)
     strategy = meas.strategy(a.choice)
     stages["allocation"] = time.perf_counter() - t0
+    errs = [s[j][1] for s, j in zip(meas.slots(), a.choice)]
     summary.decoder_bits, summary.decoder_numel = a.total_bits, numel
-    summary.err_sum, summary.err_max, summary.objective = a.err_sum, a.err_max, objective
+    summary.err_sum, summary.err_max, summary.objective = sum(errs), max(errs), objective
+    summary.objective_value = a.objective_value if aggregate == "sum" else a.err_max
     summary.choices = [(a.choice[2 * i], a.choice[2 * i + 1]) for i in range(L)]
     summary.options = [tuple(_setting_text(strategy[mfile.layer_key(i, m)], cm.MODULES[m])
                              for m in ("self_attn", "mlp")) for i in range(L)]
@@ -380,10 +415,11 @@ def _setting_text(option: dict, names) -> str:
 
 
 def measure(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
-            progress: bool = True) -> tuple[dict, int, cm.Timings]:
+            progress: bool = True) -> tuple[dict, int, cm.Timings, dict]:
     """The measurement pass over ``sm`` with calibration ``rows`` (int64 [rows, seqlen]):
-    ``(measurement dict, last_module_idx)`` as measurement.json holds them, and the seconds
-    spent in GPTQ and in forwards."""
+    ``(measurement dict, last_module_idx)`` as measurement.json holds them, the seconds
+    spent in GPTQ and in forwards, and each module output's content share ρ (measurement key
+    → ρ, :func:`calibration.exl2_measure.content_share`)."""
     m = cm.Measurer(int(rows.shape[0]), prefix=sm.layer_prefix)
 
     def on_layer(i, layer, inputs, outputs, ctx):
@@ -393,7 +429,18 @@ def measure(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
     engine.run(sm, rows, hooks_factory=m.hooks, on_layer=on_layer, batch_size=batch_size,
                progress=progress)
     meas, last = cm.measurement_dict(m.results, sm.num_layers, sm._norm_name, sm._lm_head_name)
-    return meas, last, m.timings
+    return meas, last, m.timings, m.content
+
+
+def content_shares(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
+                   progress: bool = True) -> dict[str, float]:
+    """Each decoder module output's content share ρ (measurement key → ρ, dimensionless;
+    :func:`calibration.exl2_measure.content_share`) from one unquantized forward pass over the
+    calibration ``rows`` (int64 [rows, seqlen]): what the ``"content"`` objective needs when a
+    measurement is reused."""
+    p = cm.ContentProbe()
+    engine.run(sm, rows, on_layer=p.on_layer, batch_size=batch_size, progress=progress)
+    return p.results
 
 
 def _numel_of(sm: engine.StreamingModel):

@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--measurement", help="reuse this measurement.json (skips the measurement pass)")
     x.add_argument("--measure-only", metavar="FILE", help="only measure; write measurement.json to FILE")
     _calib(x)
-    x.add_argument("--objective", default="sum", choices=("sum", "max"),
-                   help="bit allocation: minimize the sum of module errors (default) or the "
-                        "maximum (exllamav2's intent)")
+    x.add_argument("--objective", default="content", choices=("content", "sum", "max"),
+                   help="bit allocation: minimize the sum of squared module errors relative to "
+                        "the norm of the non-sink tokens (content, default), the sum of "
+                        "exllamav2's module errors (sum) or their maximum (max, exllamav2's intent)")
     x.add_argument("--max-shard-size", type=float, default=8192,
                    help="MB per output file (exllamav2 -ss; default 8192, 0 = one file)")
     _common(x)

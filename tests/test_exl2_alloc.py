@@ -680,3 +680,48 @@ def test_content_objective_moves_bits_to_sink_dominated_slots():
     ref_choice, _ = milp_reference(scaled, budget, power=power)
     ref = sum(e ** 2 for e in cost_err(scaled, ref_choice)[1])
     assert abs(a.objective_value - ref) <= 1e-9 * ref and a.total_bits <= budget
+
+
+def test_content_probe_matches_a_transformers_forward(tiny_llama_dir, tmp_path):
+    """ContentProbe on the streaming engine against transformers' own forward of the same
+    model, whose first token carries a massive embedding (an artificial sink, so that ρ is far
+    from 1): the attention block's output (layer input + self_attn output) and the layer's
+    output, taken by hooks, give the same ρ per module key."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from calibration import engine
+    from calibration.exl2_measure import ContentProbe, content_share
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    sink = 7
+    with torch.no_grad():
+        model.model.embed_tokens.weight[sink] *= 300.0
+    model.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(100, 49152, (2, 48), generator=g)
+    tokens[:, 0] = sink
+    sm = engine.StreamingModel(tmp_path, "cpu", torch.float32)
+    probe = ContentProbe()
+    engine.run(sm, tokens, on_layer=probe.on_layer, progress=False)
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: seen.__setitem__(("in", i), a[0] if a else kw["hidden_states"]),
+            with_kwargs=True))
+        hooks.append(layer.self_attn.register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(("attn", i), out[0])))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(("out", i), out[0] if isinstance(out, tuple) else out)))
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    assert len(probe.results) == 2 * len(model.model.layers)
+    for i in range(len(model.model.layers)):
+        y_attn = seen[("in", i)] + seen[("attn", i)]
+        ref_attn, ref_mlp = content_share(y_attn), content_share(seen[("out", i)])
+        assert ref_attn < 0.5 and ref_mlp < 0.5                 # the sink dominates the norm
+        assert probe.results[f"model.layers.{i}.self_attn"] == pytest.approx(ref_attn, rel=1e-4)
+        assert probe.results[f"model.layers.{i}.mlp"] == pytest.approx(ref_mlp, rel=1e-4)

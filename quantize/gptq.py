@@ -231,7 +231,8 @@ def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
     per-column scale, zero point 2^(b−1) and maximum code 2^b−1 vectors [S·N]; the block
     update is one [K−be, 32] × [32, S·N] matmul. At a block start, the settings whose group
     starts there get :func:`find_params` on their own columns (a Python loop over those
-    settings only). Every column's arithmetic is that of the single-setting run: the row
+    settings only; settings whose groups so far are the same share one call, their columns
+    being equal). Every column's arithmetic is that of the single-setting run: the row
     step is elementwise, and the two BLAS updates (``addr_`` in the block, ``addmm_`` after
     it) compute each column from that column alone (tests/test_gptq_many.py checks the
     results are bit-identical to separate runs).
@@ -317,9 +318,14 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
     for a in range(0, K, BLOCK):
         be = min(a + BLOCK, K)
         new = starts.get(a, ())
+        found: dict[tuple[Group, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for s, gi, g in new:
             cols = slice(s * N, (s + 1) * N)
-            qs, qmax, sc = find_params(W[g.start:g.end, cols].contiguous(), g.bits)
+            # settings with the same groups up to here have the same columns so far
+            prefix = tuple(groups[s][:gi + 1])
+            if prefix not in found:
+                found[prefix] = find_params(W[g.start:g.end, cols].contiguous(), g.bits)
+            qs, qmax, sc = found[prefix]
             qscale[s][gi], qscale_max[s][gi] = qs, qmax
             scale_h[cols] = sc
             scale[cols] = sc.to(torch.float32)

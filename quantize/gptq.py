@@ -32,8 +32,8 @@ MAX_ATTEMPTS = 10
 #: Scale search: p runs over MIN_P..MAX_P in P_GRID steps; error norm |err|^ERR_NORM.
 MIN_P, MAX_P, P_GRID, ERR_NORM = 0.70, 1.20, 96, 3.5
 #: Elements per scale-search chunk ([p, rows, N] float32 scratch): on CPU 2^19 (2 MiB each,
-#: they stay in cache: 4x faster than 2^23 on the 2-core EPYC CI machine, the same sums bit
-#: for bit); elsewhere 2^23 (fewer kernel launches).
+#: they stay in cache: 3-4x faster than 2^23 on a 2-core AMD EPYC, and the same sums bit for
+#: bit, checked for chunks of 2^17..2^23); elsewhere 2^23 (fewer kernel launches).
 _SEARCH_ELEMS_CPU = 1 << 19
 _SEARCH_ELEMS = 1 << 23
 

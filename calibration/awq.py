@@ -156,7 +156,10 @@ class LayerQuantizer:
     checkpoint names (``{prefix}{i}.self_attn.q_proj.qweight``, ``.qzeros``, ``.scales``,
     biases and norms in float16, FP16 ``.weight`` for linears that cannot be quantized) and
     its :class:`LinearResult` list. ``rows``/``seqlen``: the calibration batch shape.
-    ``timings`` accumulates seconds per stage ("search", "clip", "quantize")."""
+    ``timings`` accumulates seconds per stage ("search", "clip", "quantize").
+    ``after_step``: called after each scale group's search, each linear's clipping search and
+    each linear's quantization (the pipeline gives the allocator its freed temporaries back
+    there)."""
 
     spec: ArchSpec
     opts: AWQOptions
@@ -165,6 +168,7 @@ class LayerQuantizer:
     rows: int = 0
     seqlen: int = 0
     timings: dict = field(default_factory=lambda: {"search": 0.0, "clip": 0.0, "quantize": 0.0})
+    after_step: Callable[[], None] | None = None
     _caches: dict = field(default_factory=dict)
     _fill: dict = field(default_factory=dict)
 
@@ -229,6 +233,7 @@ class LayerQuantizer:
                 if not self._group_applies(g, shapes) or any(why[n] for n in g.layers):
                     continue
                 found.append((g, self._search_scale(g, layer, t16, caches, ctx)))
+                self._step_done()
             for g, s in found:
                 self._fold(g, s, t16, caches)
             self.timings["search"] += time.perf_counter() - t0
@@ -239,6 +244,7 @@ class LayerQuantizer:
                         x = caches[self.spec.input_of(n)]
                         mx = qawq.best_clip(t16[n + ".weight"], x, o.bits, o.group_size)
                         t16[n + ".weight"] = qawq.apply_clip(t16[n + ".weight"], mx, o.group_size)
+                        self._step_done()
                 self.timings["clip"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         out, results = {}, []
@@ -253,6 +259,8 @@ class LayerQuantizer:
                 rel = float(d.pow(2).mean().sqrt() / t.float().pow(2).mean().sqrt().clamp_min(1e-30))
                 results.append(LinearResult(lp + mod_name, shapes[mod_name], True,
                                             digest=tensor_digest(gq.w_fq), rel_rmse=rel))
+                del gq, d
+                self._step_done()
             else:
                 out[lp + local] = t.cpu()
                 if local.endswith(".weight") and mod_name in why:
@@ -261,6 +269,10 @@ class LayerQuantizer:
         self.sink(index, out, results)
 
     # ---- steps ---------------------------------------------------------------------------
+
+    def _step_done(self) -> None:
+        if self.after_step is not None:
+            self.after_step()
 
     def _float16_tensors(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
         t16 = {}

@@ -117,6 +117,7 @@ def quantize_awq(model: str | Path, out: str | Path, bits: int = 4, group_size: 
     calibration text, an architecture without AWQ scale groups, values outside float16), and
     RuntimeError when the round trip fails (nothing is left behind in either case)."""
     t_start = time.perf_counter()
+    cp.bound_heap()
     src = Path(model)
     out = Path(out)
     check_output_dir(out, force)
@@ -157,7 +158,7 @@ def quantize_awq(model: str | Path, out: str | Path, bits: int = 4, group_size: 
             writer.add(tensors)
             results.extend(res)
 
-        lq = cawq.LayerQuantizer(spec, opts, sm.layer_prefix, sink)
+        lq = cawq.LayerQuantizer(spec, opts, sm.layer_prefix, sink, after_step=cp.trim_heap)
         t0 = time.perf_counter()
         if rtn:
             from tqdm.auto import tqdm

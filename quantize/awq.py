@@ -149,7 +149,7 @@ def clip_candidates(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def best_clip(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
-              max_elements: int = 1 << 25) -> torch.Tensor:
+              max_elements: int = 1 << 23) -> torch.Tensor:
     """The clipping threshold ``max_val`` float16 [out, G] of every (output row, group) that
     minimizes the error of the group's partial dot products on calibration inputs:
 
@@ -208,9 +208,10 @@ def pack_int4(v: torch.Tensor) -> torch.Tensor:
     r, c = v.shape
     if c % 8:
         raise ValueError(f"{c} columns is not a multiple of 8")
-    g = v.to(torch.int64).reshape(r, c // 8, 8)[:, :, list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, device=v.device, dtype=torch.int64)
-    packed = (g << shifts).sum(-1)  # < 2^32, disjoint bits
+    g = v.reshape(r, c // 8, 8)
+    packed = torch.zeros(r, c // 8, dtype=torch.int64, device=v.device)
+    for k, col in enumerate(AWQ_ORDER):  # the 8 nibble positions, each over the whole tensor
+        packed |= g[:, :, col].to(torch.int64) << (4 * k)  # < 2^32, disjoint bits
     return (packed - ((packed >> 31) << 32)).to(torch.int32)  # two's complement view
 
 

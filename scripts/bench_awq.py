@@ -6,16 +6,19 @@ Stages (from the command's own summary): tokenize (calibration rows), calibratio
 layer forwards with input capture), search (scale grid + folding), clip (clipping search),
 quantize+pack, write (parts → shards, config, tokenizer files), verify (round trip).
 
-Peak memory is the child's ``VmHWM`` and its peak anonymous RSS (``RssAnon`` sampled every
-5 ms), both also above the baseline of an interpreter that has imported torch and
-transformers. The expected live peak follows one decoder layer plus the activations, not the
-model:
+Peak memory: the child's ``VmHWM`` and its peak anonymous RSS (``RssAnon`` sampled every
+2 ms), above a baseline taken after the libraries are loaded (torch, transformers' model
+classes and everything they import, the tokenizer; no weights, no calibration data), and
+per phase: tokenize, layers (the streamed pass with search, clip, quantize, pack and the
+part files), write (parts → shards), verify (round trip). The layer phase's growth above its
+own start should follow one decoder layer plus the activations, not the model:
 
-    M ≈ M_base + W_layer + C + H + A
-    W_layer = params of one decoder layer × (4 + 2) bytes (float32 compute copy + float16 master)
-    C       = tokens × (3·hidden + ffn) × 4 bytes   (captured inputs of q, o, gate and down)
-    H       = 2 × tokens × hidden × 4 bytes          (the layer's inputs and outputs)
-    A       ≈ tokens × (3·ffn + 4·hidden) × 4 bytes   (one grid point's forward temporaries and y0/y)
+    W = params of one decoder layer × (4 + 2) bytes (float32 compute copy + float16 master)
+    C = tokens × (3·hidden + ffn) × 4        (captured inputs of q, o, gate and down)
+    H = 2 × tokens × hidden × 4              (the layer's inputs and outputs)
+    F = min(tokens, 4096) × (4·ffn + 4·hidden) × 4   (one forward batch's temporaries)
+    K = 3 × groups × clip tokens × rows × 4  (the clipping search's partial dot products,
+        clip tokens ≤ 1023, at most 2^23 products per tensor: bounded, whatever the model)
 
 against the whole model in float32 (513 MiB for SmolLM2). There is no reference tool to run beside it:
 AutoAWQ 0.2.9 (deprecated) needs torch 2.6 / transformers 4.51 and a CUDA GPU
@@ -41,22 +44,65 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 CHILD = r"""
-import json, sys, time, tempfile, os
+import json, sys, time, tempfile, os, threading, traceback
 sys.path.insert(0, sys.argv[1])
-import torch, transformers  # the baseline includes these
+import torch, transformers
 from pathlib import Path
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
+from calibration import engine
+from cli import awq_pipeline as ap, calib_pipeline as cp
+from convert import awq_dir
+# the baseline: library code loaded (torch, transformers' model classes and what they import,
+# the tokenizer), no weights and no calibration data
+_sm = engine.StreamingModel(sys.argv[2])
+_tok = cp.find_loader(Path(sys.argv[2])).tokenizer(Path(sys.argv[2]))
+_tok(["warm up"], add_special_tokens=False)
+del _sm, _tok
+cp.trim_heap()
 base_hwm, base_anon = status("VmHWM"), status("RssAnon")
 print("BASE", json.dumps({"hwm": base_hwm, "anon": base_anon}), flush=True)
-from cli.awq_pipeline import quantize_awq
 samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+# anonymous RSS per phase (peak, and level at its start) and where the peak of the layer
+# phase happened (the main thread's innermost quantpress frames at that moment)
+main_id, done = threading.get_ident(), threading.Event()
+phase, peaks, starts, where = ["setup"], {}, {}, {}
+def watch():
+    while not done.is_set():
+        a, ph = status("RssAnon"), phase[0]
+        if a > peaks.get(ph, 0):
+            peaks[ph] = a
+            f = sys._current_frames().get(main_id)
+            st = traceback.extract_stack(f) if f is not None else []
+            where[ph] = [f"{Path(x.filename).name}:{x.name}:{x.lineno}"
+                         for x in st if sys.argv[1] in x.filename][-3:]
+        time.sleep(0.002)
+def in_phase(name, fn):
+    def wrapped(*a, **k):
+        prev = phase[0]
+        cp.trim_heap()
+        starts[name] = status("RssAnon")
+        phase[0] = name
+        try:
+            return fn(*a, **k)
+        finally:
+            phase[0] = prev
+    return wrapped
+cp.calibration_rows = in_phase("tokenize", cp.calibration_rows)
+engine.run = in_phase("layers", engine.run)
+awq_dir.AWQDirWriter.finish = in_phase("write", awq_dir.AWQDirWriter.finish)
+ap.verify_awq_dir = in_phase("verify", ap.verify_awq_dir)
+th = threading.Thread(target=watch, daemon=True)
+th.start()
 with tempfile.TemporaryDirectory() as tmp:
-    s = quantize_awq(sys.argv[2], Path(tmp) / "out", group_size=gs, samples=samples, seqlen=seqlen,
-                     device=device, progress=False)
-print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM")}), flush=True)
+    s = ap.quantize_awq(sys.argv[2], Path(tmp) / "out", group_size=gs, samples=samples,
+                        seqlen=seqlen, device=device, progress=False)
+done.set()
+th.join()
+print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "phases": peaks,
+                            "starts": starts, "where": where}), flush=True)
 """
 
 
@@ -95,14 +141,23 @@ def _run(model: Path, samples: int, seqlen: int, gs: int, device: str) -> dict:
     return result
 
 
-def expected_bytes(model: Path, tokens: int) -> int:
-    """The formula of the module docstring, from config.json."""
+def expected_layer_bytes(model: Path, tokens: int, group_size: int,
+                         batch_tokens: int = 4096) -> dict[str, int]:
+    """The terms of the layer phase's expected peak (module docstring), from config.json."""
     cfg = json.loads((model / "config.json").read_text())
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim", h // heads)
     layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f + 2 * h
-    return layer * 6 + tokens * (3 * h + f) * 4 + 2 * tokens * h * 4 + tokens * (3 * f + 4 * h) * 4
+    bt = min(tokens, batch_tokens)
+    t_clip = tokens // max(1, tokens // 512)
+    clip = 0
+    for cin, out in ((heads * hd, h), (h, f), (f, h), (h, kv * hd)):  # o, gate/up, down, v
+        g = cin // group_size
+        r = min(out, max(1, (1 << 23) // max(1, g * t_clip)))
+        clip = max(clip, 3 * g * t_clip * r * 4)
+    return {"W": layer * (4 + 2), "C": tokens * (3 * h + f) * 4, "H": 2 * tokens * h * 4,
+            "F": bt * (4 * f + 4 * h) * 4, "K": clip}
 
 
 def main() -> None:
@@ -125,17 +180,29 @@ def main() -> None:
         r = _run(model, n, L, args.group_size, args.device)
         rows.append((n, L, r))
         st = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
-        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}")
+        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}", flush=True)
     print()
-    print(f"{'calibration':>12} {'tokens':>7} {'peak RSS':>9} {'above base':>10} {'anon above':>10} {'expected':>9}  (MiB)")
+    print("peak anonymous RSS above the baseline (libraries loaded: torch, transformers' model classes,")
+    print("the tokenizer; no weights, no data), per phase, MiB;")
+    print("'layers +' = the layer phase's peak above its own start (what the layers add), against")
+    print("the expected W + C + H + F + K:")
+    print(f"{'calibration':>12} {'tokens':>7} {'VmHWM':>6} {'anon':>6} {'tokenize':>8} {'layers':>7} "
+          f"{'layers +':>8} {'expected':>8} {'write':>6} {'verify':>6}")
     for n, L, r in rows:
-        b = r["base"]
-        exp = expected_bytes(model, n * L)
-        print(f"{n:>5} x {L:<5} {n * L:>7} {r['hwm'] * mib:>9.0f} {(r['hwm'] - b['hwm']) * mib:>10.0f} "
-              f"{(r['peak_anon'] - b['anon']) * mib:>10.0f} {exp * mib:>9.0f}")
+        b, ph, st = r["base"]["anon"], r["phases"], r["starts"]
+        e = expected_layer_bytes(model, n * L, args.group_size)
+        print(f"{n:>5} x {L:<5} {n * L:>7} {(r['hwm'] - r['base']['hwm']) * mib:>6.0f} "
+              f"{(r['peak_anon'] - b) * mib:>6.0f} {(ph.get('tokenize', b) - b) * mib:>8.0f} "
+              f"{(ph['layers'] - b) * mib:>7.0f} {(ph['layers'] - st['layers']) * mib:>8.0f} "
+              f"{sum(e.values()) * mib:>8.0f} {(ph['write'] - b) * mib:>6.0f} {(ph['verify'] - b) * mib:>6.0f}")
+    for n, L, r in rows:
+        e = expected_layer_bytes(model, n * L, args.group_size)
+        print(f"{n:>5} x {L:<5} expected terms: " + ", ".join(f"{k} {v * mib:.0f}" for k, v in e.items())
+              + f"; layer phase peaked in {' <- '.join(reversed(r['where'].get('layers', []))) or '?'}")
     params = rows[0][2]["parameters"]
-    print(f"(the whole model in float32: {params * 4 * mib:.0f} MiB; calibration tokens per second "
-          f"of the scale search: "
+    e = expected_layer_bytes(model, 0, args.group_size)
+    print(f"(one decoder layer in float32 + float16: {e['W'] * mib:.0f} MiB; the whole model in "
+          f"float32: {params * 4 * mib:.0f} MiB; calibration tokens per second of the scale search: "
           + ", ".join(f"{n * L / max(1e-9, r['stages'].get('search', 0)):.0f}" for n, L, r in rows) + ")")
 
 

@@ -413,3 +413,23 @@ def test_dataset_folder_and_name(tmp_path, monkeypatch):
         data.load_texts("no-such-owner/no-such-set:cfg@validation", cache_dir=tmp_path / "hf")
     with pytest.raises(InputError, match=r"nope\.jsonl: calibration file not found"):
         data.load_texts(tmp_path / "nope.jsonl")
+
+
+def test_bound_heap_returns_freed_tensors():
+    """After bound_heap(), a freed multi-MiB tensor leaves the process (glibc would otherwise
+    raise its mmap threshold at the first free and keep the next ones on the heap)."""
+    from cli import calib_pipeline as cp
+
+    if not cp.bound_heap():
+        pytest.skip("not glibc: mallopt unavailable")
+
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon"):
+                return int(line.split()[1]) * 1024
+
+    before = anon()
+    for _ in range(4):
+        t = torch.ones(3 << 20)  # 12 MiB, touched
+        del t
+    assert anon() - before < 4 << 20

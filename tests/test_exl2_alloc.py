@@ -686,7 +686,8 @@ def test_content_probe_matches_a_transformers_forward(tiny_llama_dir, tmp_path):
     """ContentProbe on the streaming engine against transformers' own forward of the same
     model, whose first token carries a massive embedding (an artificial sink, so that ρ is far
     from 1): the attention block's output (layer input + self_attn output) and the layer's
-    output, taken by hooks, give the same ρ per module key."""
+    output, taken by hooks, give the same ρ per module key; the measurement pass
+    (``Measurer.content``) records the same values."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -719,6 +720,16 @@ def test_content_probe_matches_a_transformers_forward(tiny_llama_dir, tmp_path):
     for h in hooks:
         h.remove()
     assert len(probe.results) == 2 * len(model.model.layers)
+    # the measurement pass records the same shares (one option per module keeps it fast)
+    from calibration.exl2_measure import Measurer
+    from quantize import exl2 as qexl2
+
+    m = Measurer(int(tokens.shape[0]), attn_opts=qexl2.attn_options()[:1],
+                 mlp_opts=qexl2.mlp_options()[:1])
+    engine.run(sm, tokens, hooks_factory=m.hooks, on_layer=m.on_layer, progress=False)
+    assert m.content.keys() == probe.results.keys()
+    for k, v in m.content.items():
+        assert v == pytest.approx(probe.results[k], rel=1e-5), k
     for i in range(len(model.model.layers)):
         y_attn = seen[("in", i)] + seen[("attn", i)]
         ref_attn, ref_mlp = content_share(y_attn), content_share(seen[("out", i)])

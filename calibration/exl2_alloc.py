@@ -461,8 +461,37 @@ def _min_sum(C: np.ndarray, W: np.ndarray, A: np.ndarray, budget: int, grid: int
     return best, min(lower, best_val), rounds
 
 
+def _spend(C: np.ndarray, W: np.ndarray, A: np.ndarray, choice: list[int], budget: int,
+           min_bits: int) -> list[int]:
+    """Raise the cost of ``choice`` to at least ``min_bits`` (never past ``budget``) when the
+    optimum leaves more budget unspent: repeatedly move one slot to a dearer allowed option
+    that fits — the one with the smallest objective increase if some move reaches
+    ``min_bits``, else the one with the smallest increase per added bit — until the cost
+    reaches ``min_bits`` or no move fits."""
+    ch = list(choice)
+    rows = np.arange(C.shape[0])
+    total = int(C[rows, ch].sum())
+    while total < min_bits:
+        cur_c = C[rows, ch][:, None]
+        cur_w = W[rows, ch][:, None]
+        dc = C - cur_c
+        ok = A & (dc > 0) & (dc <= budget - total)
+        if not ok.any():
+            break
+        dw = W - cur_w
+        reach = ok & (dc >= min_bits - total)
+        if reach.any():  # one move reaches the window: the one that costs least objective
+            pick = np.where(reach, dw, np.inf)
+        else:
+            pick = np.where(ok, dw / np.where(dc > 0, dc, 1), np.inf)
+        s, j = np.unravel_index(int(np.argmin(pick)), pick.shape)
+        total += int(dc[s, j])
+        ch[int(s)] = int(j)
+    return ch
+
+
 def allocate(slots, budget: int, *, numel: int | None = None, objective: str = "sum",
-             power: float = 1.0, grid: int = DEFAULT_GRID) -> Allocation:
+             power: float = 1.0, grid: int = DEFAULT_GRID, min_bits: int | None = None) -> Allocation:
     """Choose one option per slot under ``budget`` bits.
 
     ``slots``: per slot (2 per decoder layer: attn, mlp, layer order), a sequence of
@@ -484,6 +513,11 @@ def allocate(slots, budget: int, *, numel: int | None = None, objective: str = "
 
     Replaces exllamav2 0.3.2 ``conversion/optimize.py`` (same slots and budget, solved
     exactly rather than by simulated annealing; the fill-up pass is kept).
+
+    ``min_bits``: when the optimum costs less, dearer options are taken greedily (smallest
+    objective increase per bit) until the cost reaches it, so that the achieved bpw lands in a
+    window below the target (the pipeline asks for target − 0.05 bpw); ``objective_value``
+    and ``lower_bound`` then no longer certify optimality.
 
     Raises InputError when the budget is below Σ cheapest costs or above Σ most expensive
     costs, giving the reachable range (in bpw to 2 decimals with ``numel``, rounded inwards);
@@ -522,6 +556,8 @@ def allocate(slots, budget: int, *, numel: int | None = None, objective: str = "
 
     choice, lower, rounds = _min_sum(C, W, A, budget, int(grid))
     choice = _fill_up(C, W, A, choice, budget)
+    if min_bits is not None:
+        choice = _spend(C, W, A, choice, budget, int(min_bits))
     rows = np.arange(len(choice))
     total = int(C[rows, choice].sum())
     assert total <= budget

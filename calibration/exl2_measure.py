@@ -55,7 +55,7 @@ from calibration.exl2_measurement import layer_key
 from calibration.stats import StatsCollector
 from quantize import exl2 as qexl2
 from quantize.errors import InputError
-from quantize.gptq import gptq_quantize
+from quantize.gptq import gptq_quantize, gptq_quantize_many
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -66,6 +66,9 @@ HESSIAN_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_pro
               "gate_proj": "up_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 #: the run aborts when the best option of a module scores below this (exllamav2 measure.py)
 MIN_BEST_ACCURACY = 0.1
+#: working memory of one batched GPTQ call of the measurement (about 11 bytes per weight and
+#: setting; SmolLM2's linears take all their settings in one call, an 8B model's one each)
+GPTQ_BATCH_BYTES = 256 << 20
 #: lm_head is quantized by round-to-nearest above this many weights (exllamav2 quantize.py)
 RTN_HEAD_NUMEL = 1e9
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -297,9 +300,9 @@ class Measurer:
         reference output ``y_ref`` (both [rows, seq, hidden]); store and return the option list.
 
         Each (linear, QParams) is GPTQ-quantized once, when the first option that needs it is
-        reached, and dropped after the last option that uses it (options are roughly ordered
-        by size, so few fake-quantized weights are held at once). The module's original
-        weights are restored afterwards."""
+        reached, together with the linear's next settings (:func:`quantize.gptq.gptq_quantize_many`,
+        as many as fit in :data:`GPTQ_BATCH_BYTES` of working memory), and dropped after the
+        last option that uses it. The module's original weights are restored afterwards."""
         names = MODULES[mode]
         opts = self.attn_opts if mode == "self_attn" else self.mlp_opts
         lins = {n: linear_of(layer, mode, n, index) for n in names}
@@ -307,9 +310,14 @@ class Measurer:
         w16 = {n: fp16_weight(lins[n], full[n]) for n in names}
         H = {n: col.hessian(f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows) for n in names}
         last_use: dict[tuple[str, qexl2.QParams], int] = {}
+        order: dict[str, list[qexl2.QParams]] = {n: [] for n in names}  # first-use order
         for j, opt in enumerate(opts):
             for n in names:
+                if (n, opt[n]) not in last_use:
+                    order[n].append(opt[n])
                 last_use[(n, opt[n])] = j
+        done = {n: 0 for n in names}
+        per_call = {n: max(1, GPTQ_BATCH_BYTES // (11 * w16[n].numel())) for n in names}
         self.quantized[layer_key(index, mode)] = len(last_use)
         module, kw = block(layer, mode)
         orig = {n: lins[n].weight.data for n in names}
@@ -320,8 +328,13 @@ class Measurer:
                 for n in names:
                     key = (n, opt[n])
                     if key not in cache:
+                        # this setting and the next ones of the same linear, in one batched call
                         t0 = time.perf_counter()
-                        cache[key] = gptq_quantize(w16[n], H[n], opt[n]).weight
+                        qps = order[n][done[n]:done[n] + per_call[n]]
+                        assert qps[0] == opt[n]
+                        for q, r in zip(qps, gptq_quantize_many(w16[n], H[n], qps)):
+                            cache[(n, q)] = r.weight
+                        done[n] += len(qps)
                         self.timings.gptq += time.perf_counter() - t0
                     lins[n].weight.data = cache[key].to(orig[n].dtype)
                 t0 = time.perf_counter()

@@ -46,10 +46,14 @@ from calibration.awq import tensor_digest
 from cli import calib_pipeline as cp
 from cli.common import check_output, check_output_dir
 from convert import awq_dir, exl2_dir
+from convert.shards import float16_rows
 from quantize import exl2 as qexl2
 from quantize.errors import InputError
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
+#: the achieved decoder bpw lies in [target − BPW_WINDOW, target] (dearer options are taken
+#: when the optimum of the objective spends less)
+BPW_WINDOW = 0.05
 #: what each ``--objective`` minimizes, in words (summary text)
 OBJECTIVE_TEXT = {"content": "sum of squared module errors relative to the non-sink tokens' norm",
                   "sum": "sum of module errors", "max": "maximum module error"}
@@ -240,7 +244,8 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     (head at ``head_bits``) into the directory ``out``; or, with ``measure_only``, only write
     the measurement there.
 
-    ``measurement``: reuse this measurement.json (no measurement pass). Calibration:
+    ``measurement``: reuse this measurement.json (no measurement pass; without it, the
+    measurement made is also written to ``out/measurement.json`` for later targets). Calibration:
     ``samples`` rows × ``seqlen`` tokens of ``calib`` (default: exllamav2's wiki.utf8 split),
     forwards in ``dtype`` (default float32) on ``device`` with ``batch_tokens`` tokens per
     batch. ``max_shard_size``: MB per output file (exllamav2 ``-ss``; 0 = one file).
@@ -255,6 +260,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
     calibration text, non-HF input. RuntimeError when the round trip fails (nothing is left).
     """
     t_start = time.perf_counter()
+    cp.bound_heap()
     stages: dict[str, float] = {}
     src = Path(model)
     ld = cp.find_loader(src)
@@ -310,6 +316,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
                           n_len, L, stages=stages)
     by_content, aggregate, power = alloc.OBJECTIVE_MODES[objective]
     shares: dict | None = None
+    new_measurement = None
     if meas is None:
         t0 = time.perf_counter()
         modules, last_idx, mt, shares = measure(sm, rows, bs, progress)
@@ -325,6 +332,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
                               source="measurement pass", expect_layers=L,
                               cost=mfile.module_cost_fn(shapes))
         meas = mfile.Measurement(modules, last_idx, L)
+        new_measurement = (modules, last_idx)
     else:
         stages["measurement"] = 0.0
 
@@ -338,7 +346,8 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
         rho = [shares[k] for k in meas.slot_keys()]
         summary.content = [(rho[2 * i], rho[2 * i + 1]) for i in range(L)]
         slots = alloc.content_slots(slots, rho)
-    a = alloc.allocate(slots, budget, numel=numel, objective=aggregate, power=power)
+    a = alloc.allocate(slots, budget, numel=numel, objective=aggregate, power=power,
+                       min_bits=alloc.budget_bits(bpw - BPW_WINDOW, numel))
     strategy = meas.strategy(a.choice)
     stages["allocation"] = time.perf_counter() - t0
     errs = [s[j][1] for s, j in zip(meas.slots(), a.choice)]
@@ -357,7 +366,7 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
         writer = exl2_dir.EXL2DirWriter(tmp, max_shard)
         t0 = time.perf_counter()
         emb = sm._embed_name + ".weight"
-        writer.add({emb: cm._fp16_copy(sm.weights.get(emb, "cpu"), emb)})
+        writer.add({emb: float16_rows(sm.weights, emb)})
 
         def sink(index, tensors, recs):
             writer.add(tensors)
@@ -390,6 +399,8 @@ def quantize_exl2(model: str | Path, out: str | Path | None = None, bpw: float |
         config = exl2_dir.exl2_config(cfg, bpw, int(head_bits), n_rows, n_len,
                                       None if calib is None else str(calib))
         writer.finish(config, src)
+        if new_measurement is not None:  # kept with the model, as exllamav2 users publish it
+            mfile.write_measurement(tmp / "measurement.json", *new_measurement)
         stages["write"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

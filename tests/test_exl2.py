@@ -93,14 +93,15 @@ def measured(models, tmp_path_factory) -> Path:
     """measurement.json of the llama by ``--measure-only``; GPTQ runs counted by weight shape
     and setting."""
     path = tmp_path_factory.mktemp("exl2_meas") / "measurement.json"
-    real = exl2_measure.gptq_quantize
+    real = exl2_measure.gptq_quantize_many
 
-    def counting(w, h, qp, **k):
-        GPTQ_RUNS[(tuple(w.shape), qp)] = GPTQ_RUNS.get((tuple(w.shape), qp), 0) + 1
-        return real(w, h, qp, **k)
+    def counting(w, h, qps, **k):
+        for qp in qps:
+            GPTQ_RUNS[(tuple(w.shape), qp)] = GPTQ_RUNS.get((tuple(w.shape), qp), 0) + 1
+        return real(w, h, qps, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(exl2_measure, "gptq_quantize", counting)
+        mp.setattr(exl2_measure, "gptq_quantize_many", counting)
         assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path)] + CAL) == 0
     return path
 
@@ -382,6 +383,18 @@ def test_full_run_qwen2_biases(models, tmp_path, capsys):
     bits = sum(_file_bits(t, m)[0] for m in _q_modules(t) if m.startswith("model.layers."))
     assert bits == s["decoder_bits"]
     assert "lm_head.q_weight" in t and "model.embed_tokens.weight" in t
+    # the measurement made is kept with the model, valid, and drives a second target alone
+    from calibration import exl2_measurement as mfile
+
+    m = json.loads((out / "measurement.json").read_text())
+    assert m["last_module_idx"] == 4 and len(m["measurement"]) == 4  # 1 layer: attn, mlp, norm, head
+    mfile.read_measurement(out / "measurement.json")
+    out2 = tmp_path / "q2"
+    assert quantize_main(["exl2", str(models["qwen2"]), "--bpw", "4.0", "-o", str(out2), "--json",
+                          "--measurement", str(out / "measurement.json")] + CAL) == 0
+    s2 = json.loads(capsys.readouterr().out)
+    assert s2["stages"]["measurement"] == 0 and 3.95 <= s2["decoder_bpw"] <= 4.0
+    assert not (out2 / "measurement.json").exists()
 
 
 def test_failed_roundtrip_leaves_nothing(models, measured, tmp_path, monkeypatch, capsys):

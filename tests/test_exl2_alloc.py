@@ -559,6 +559,24 @@ def test_fill_up_uses_slack_without_worse_error():
     assert allocate(slots, 20).choice == [0, 0]
 
 
+def test_min_bits_spends_the_window():
+    # the optimum (err 0.2 + 0.1) costs 20 of 40 bits; dearer options only err more (noisy
+    # measurements of a tiny model), so neither the optimum nor the fill-up spends more
+    slots = [[(10, 0.2), (18, 0.25), (30, 0.6)], [(10, 0.1), (15, 0.3), (26, 0.35)]]
+    a = allocate(slots, 40)
+    assert a.choice == [0, 0] and a.total_bits == 20
+    # asked to spend at least 33 bits: one move reaches it; the one that adds least error
+    # (slot 1 → 26 bits, +0.25; the best choice in [33, 40] errs 0.55 too, e.g. [1, 1])
+    b = allocate(slots, 40, min_bits=33)
+    assert 33 <= b.total_bits <= 40 and b.err_sum == pytest.approx(0.55)
+    # only slot 0 → 30 bits reaches 38 (error 0.7, the one choice in [38, 40])
+    c = allocate(slots, 40, min_bits=38)
+    assert c.choice == [2, 0] and c.total_bits == 40
+    # never past the budget, and no move when the window is already met
+    assert allocate(slots, 40, min_bits=39).total_bits <= 40
+    assert allocate(slots, 40, min_bits=20).choice == [0, 0]
+
+
 def test_measurement_drives_several_targets(tmp_path):
     path = tmp_path / "measurement.json"
     write_measurement(path, make_measurement(10), 2 * SMOL_LAYERS + 2)

@@ -44,65 +44,27 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 CHILD = r"""
-import json, sys, time, tempfile, os, threading, traceback
-sys.path.insert(0, sys.argv[1])
-import torch, transformers
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import tempfile
 from pathlib import Path
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
+from phase_memory import PhaseWatch, libraries_baseline, status
 from calibration import engine
 from cli import awq_pipeline as ap, calib_pipeline as cp
 from convert import awq_dir
-# the baseline: library code loaded (torch, transformers' model classes and what they import,
-# the tokenizer), no weights and no calibration data
-_sm = engine.StreamingModel(sys.argv[2])
-_tok = cp.find_loader(Path(sys.argv[2])).tokenizer(Path(sys.argv[2]))
-_tok(["warm up"], add_special_tokens=False)
-del _sm, _tok
-cp.trim_heap()
-base_hwm, base_anon = status("VmHWM"), status("RssAnon")
-print("BASE", json.dumps({"hwm": base_hwm, "anon": base_anon}), flush=True)
+base_anon = libraries_baseline(sys.argv[2])
+print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
 samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-# anonymous RSS per phase (peak, and level at its start) and where the peak of the layer
-# phase happened (the main thread's innermost quantpress frames at that moment)
-main_id, done = threading.get_ident(), threading.Event()
-phase, peaks, starts, where = ["setup"], {}, {}, {}
-def watch():
-    while not done.is_set():
-        a, ph = status("RssAnon"), phase[0]
-        if a > peaks.get(ph, 0):
-            peaks[ph] = a
-            f = sys._current_frames().get(main_id)
-            st = traceback.extract_stack(f) if f is not None else []
-            where[ph] = [f"{Path(x.filename).name}:{x.name}:{x.lineno}"
-                         for x in st if sys.argv[1] in x.filename][-3:]
-        time.sleep(0.002)
-def in_phase(name, fn):
-    def wrapped(*a, **k):
-        prev = phase[0]
-        cp.trim_heap()
-        starts[name] = status("RssAnon")
-        phase[0] = name
-        try:
-            return fn(*a, **k)
-        finally:
-            phase[0] = prev
-    return wrapped
-cp.calibration_rows = in_phase("tokenize", cp.calibration_rows)
-engine.run = in_phase("layers", engine.run)
-awq_dir.AWQDirWriter.finish = in_phase("write", awq_dir.AWQDirWriter.finish)
-ap.verify_awq_dir = in_phase("verify", ap.verify_awq_dir)
-th = threading.Thread(target=watch, daemon=True)
-th.start()
+w = PhaseWatch()
+cp.calibration_rows = w.wrap("tokenize", cp.calibration_rows)
+engine.run = w.wrap("layers", engine.run)
+awq_dir.AWQDirWriter.finish = w.wrap("write", awq_dir.AWQDirWriter.finish)
+ap.verify_awq_dir = w.wrap("verify", ap.verify_awq_dir)
+w.start()
 with tempfile.TemporaryDirectory() as tmp:
     s = ap.quantize_awq(sys.argv[2], Path(tmp) / "out", group_size=gs, samples=samples,
                         seqlen=seqlen, device=device, progress=False)
-done.set()
-th.join()
-print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "phases": peaks,
-                            "starts": starts, "where": where}), flush=True)
+print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), **w.stop()}), flush=True)
 """
 
 

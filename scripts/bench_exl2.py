@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Time per stage and peak memory of ``quantize exl2`` on SmolLM2-135M (CPU; CUDA with
+``--device cuda``), each run in a fresh subprocess:
+
+1. ``--measure-only M``: the measurement pass alone (every option of every module);
+2. ``--measurement M --bpw A``: allocation + quantization reusing that measurement;
+3. ``--measurement M --bpw B``: a second target from the same file: it costs only the
+   allocation and the quantization pass (run 2's stages again, no measurement).
+
+Stages come from the command's own summary (calibration = tokenizing the rows, measurement,
+allocation — with the ``content`` objective and a reused measurement it includes one
+unquantized forward pass for the token-norm shares —, quantization, write, verify).
+
+Peak memory: the child's peak anonymous RSS (``RssAnon`` sampled every 2 ms) above a
+baseline taken after the libraries are loaded (torch, transformers' model classes and
+everything they import, the tokenizer; no weights, no data), per phase. The measurement and
+quantization phases should follow one decoder layer plus the activations, not the model:
+
+    W = params of one decoder layer × (4 + 2) bytes (float32 compute copy + float16 weights)
+    X = Σ over the 4 input sets (q/k/v, o, gate/up, down) of K² × 4 bytes (the Hessians)
+    H = 3 × tokens × hidden × 4    (layer input, reference output, quantized output)
+    F = min(tokens, 4096) × (4·ffn + 4·hidden) × 4   (one forward batch's temporaries)
+    S = 2 × (3·hidden·ffn) × 2 bytes  (measurement: two options' fake-quantized MLP weights)
+
+exllamav2 0.3.2 itself needs a CUDA GPU (its extension has no CPU path), so the side-by-side
+run is for a machine with one (``--device cuda``; exllamav2's ``convert.py`` on the same
+model and calibration sizes); on CPU there is no reference to compare with.
+
+Usage::
+
+    python scripts/bench_exl2.py [--samples 8] [--seqlen 256] [--bpw 4.0,5.0] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+CHILD = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+from phase_memory import PhaseWatch, libraries_baseline
+from calibration import engine
+from cli import exl2_pipeline as xp, calib_pipeline as cp
+from convert import exl2_dir
+args = json.loads(sys.argv[2])
+base = libraries_baseline(args["model"])
+w = PhaseWatch()
+cp.calibration_rows = w.wrap("tokenize", cp.calibration_rows)
+xp.measure = w.wrap("measurement", xp.measure)
+xp.content_shares = w.wrap("allocation", xp.content_shares)
+engine.run = w.wrap("quantization", engine.run)
+exl2_dir.EXL2DirWriter.finish = w.wrap("write", exl2_dir.EXL2DirWriter.finish)
+xp.verify_exl2_dir = w.wrap("verify", xp.verify_exl2_dir)
+w.start()
+kw = {k: v for k, v in args.items() if k != "model"}
+s = xp.quantize_exl2(args["model"], progress=False, **kw)
+print("RESULT", json.dumps({**s.to_json(), "base": base, **w.stop()}), flush=True)
+"""
+
+
+def _run(model: Path, **kw) -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, str(REPO), json.dumps({"model": str(model), **kw})],
+                       stdout=subprocess.PIPE, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"child failed with exit code {p.returncode}")
+
+
+def expected(model: Path, tokens: int) -> dict[str, int]:
+    """The terms of the module docstring, from config.json (bytes)."""
+    cfg = json.loads((model / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim", h // heads)
+    layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f + 2 * h
+    return {"W": layer * 6, "X": (h * h + (heads * hd) ** 2 + h * h + f * f) * 4,
+            "H": 3 * tokens * h * 4, "F": min(tokens, 4096) * (4 * f + 4 * h) * 4,
+            "S": 2 * 3 * h * f * 2}
+
+
+def main() -> None:
+    import assets
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--bpw", default="4.0,5.0", help="two targets, comma-separated")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else assets.smollm2_dir()
+    targets = [float(v) for v in args.bpw.split(",")]
+    mib = 1 / 2 ** 20
+    common = dict(samples=args.samples, seqlen=args.seqlen, device=args.device)
+    print(f"model {model.name}, calibration {args.samples} x {args.seqlen}, device {args.device}, "
+          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        meas = Path(tmp) / "measurement.json"
+        runs.append(("measure-only", _run(model, measure_only=str(meas), **common)))
+        print(f"  measure-only: {runs[-1][1]['seconds']:.1f} s", flush=True)
+        for t in targets:
+            runs.append((f"--measurement, bpw {t}", _run(model, out=str(Path(tmp) / f"q{t}"), bpw=t,
+                                                         measurement=str(meas), **common)))
+            print(f"  bpw {t} from the measurement: {runs[-1][1]['seconds']:.1f} s", flush=True)
+    names = ["calibration", "measurement", "allocation", "quantization", "write", "verify"]
+    print()
+    print(f"{'run':<26} {'total':>7} " + " ".join(f"{n:>12}" for n in names) + "  (seconds)")
+    for name, r in runs:
+        st = r["stages"]
+        print(f"{name:<26} {r['seconds']:>7.1f} "
+              + " ".join(f"{st[n]:>12.1f}" if n in st else f"{'':>12}" for n in names))
+    print()
+    tokens = args.samples * args.seqlen
+    e = expected(model, tokens)
+    print("peak anonymous RSS above the baseline (libraries loaded; no weights, no data), MiB; "
+          "'+' = above the phase's own start")
+    print(f"{'run':<26} {'peak':>6} " + " ".join(f"{n:>12}" for n in
+                                                    ["tokenize", "measurement +", "allocation +",
+                                                     "quantization +", "write", "verify"]))
+    for name, r in runs:
+        b, ph, stt = r["base"], r["phases"], r["starts"]
+
+        def plus(k):
+            return f"{(ph[k] - stt[k]) * mib:>12.0f}" if k in ph and k in stt else f"{'':>12}"
+
+        def above(k):
+            return f"{(ph[k] - b) * mib:>12.0f}" if k in ph else f"{'':>12}"
+
+        print(f"{name:<26} {(max(ph.values()) - b) * mib:>6.0f} {above('tokenize')} {plus('measurement')} "
+              f"{plus('allocation')} {plus('quantization')} {above('write')} {above('verify')}")
+    print(f"expected per layer: measurement ≈ W + X + H + F + S = {(sum(e.values())) * mib:.0f} MiB, "
+          f"quantization ≈ W + X + H + F = {(sum(e.values()) - e['S']) * mib:.0f} MiB ("
+          + ", ".join(f"{k} {v * mib:.0f}" for k, v in e.items()) + ")")
+    params = runs[1][1]["parameters"]
+    print(f"(the whole model in float32: {params * 4 * mib:.0f} MiB)")
+    for name, r in runs[1:]:
+        print(f"{name}: decoder {r['decoder_bpw']:.3f} bpw, file {r['file_bpw']:.3f} bpw, "
+              f"objective {r['objective']}, {r['roundtrip']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -42,7 +42,6 @@ from calibration import engine
 from calibration import exl2_alloc as alloc
 from calibration import exl2_measure as cm
 from calibration import exl2_measurement as mfile
-from calibration.awq import tensor_digest
 from cli import calib_pipeline as cp
 from cli.common import check_output, check_output_dir
 from convert import awq_dir, exl2_dir
@@ -464,6 +463,32 @@ def _numel_of(sm: engine.StreamingModel):
                 yield math.prod(h.get_slice(k).get_shape())
 
 
+#: output rows reconstructed at a time by the round trip (a multiple of 32)
+VERIFY_ROWS = 4096
+
+
+def _reconstructed_digest(name: str, t: dict, shape: tuple[int, int]) -> str:
+    """:func:`calibration.awq.tensor_digest` of the float16 weight [N, K] that
+    :func:`quantize.exl2.reconstruct` makes of the stored tensors ``t``, computed
+    :data:`VERIFY_ROWS` output rows (stored columns) at a time, so the head of a large
+    vocabulary is never reconstructed whole. Raises RuntimeError on a shape mismatch."""
+    import hashlib
+
+    N, K = shape
+    h = hashlib.sha256(f"{torch.float16}{(N, K)}".encode())
+    for n0 in range(0, N, VERIFY_ROWS):
+        n1 = min(N, n0 + VERIFY_ROWS)
+        last = n1 == N
+        qw = t["q_weight"][:, n0:] if last else t["q_weight"][:, n0:n1]
+        qs = t["q_scale"][:, n0 // 8:] if last else t["q_scale"][:, n0 // 8:n1 // 8]
+        deq = qexl2.reconstruct(qw, qs, t["q_scale_max"], t["q_groups"], t["q_invperm"], n1 - n0)
+        if tuple(deq.shape) != (n1 - n0, K):
+            raise RuntimeError(f"round trip: '{name}' rows {n0}..{n1 - 1} reconstruct to "
+                               f"{tuple(deq.shape)}, expected {(n1 - n0, K)}")
+        h.update(deq.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def verify_exl2_dir(path: Path, records: list[cm.LinearRecord], expected: set[str]) -> str:
     """Round trip of a written EXL2 directory: the final files must hold exactly the
     ``expected`` tensor names; every linear of ``records`` is read back, checked with
@@ -491,12 +516,7 @@ def verify_exl2_dir(path: Path, records: list[cm.LinearRecord], expected: set[st
                                f"expected in_features {r.shape[1]}")
         if r.has_bias != (f"{r.name}.bias" in w.raw):
             raise RuntimeError(f"round trip: '{r.name}.bias' {'missing' if r.has_bias else 'unexpected'}")
-        deq = qexl2.reconstruct(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_groups"],
-                                t["q_invperm"], r.shape[0])
-        if tuple(deq.shape) != tuple(r.shape):
-            raise RuntimeError(f"round trip: '{r.name}' reconstructs to {tuple(deq.shape)}, "
-                               f"expected {tuple(r.shape)}")
-        if tensor_digest(deq) != r.digest:
+        if _reconstructed_digest(r.name, t, tuple(r.shape)) != r.digest:
             raise RuntimeError(f"round trip failed: '{r.name}' reconstructed from {path} differs "
                                f"from the quantizer's fake-quantized weights")
     w.close()

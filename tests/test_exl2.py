@@ -262,6 +262,32 @@ def test_reuse_skips_measurement_and_roundtrip(outs):
         assert not list(out.parent.glob(".*"))
 
 
+def test_roundtrip_digest_by_row_blocks(outs, monkeypatch):
+    """The round trip reconstructs VERIFY_ROWS output rows at a time; its digest equals the
+    whole reconstruction's, for blocks that split the head unevenly, and changes with a
+    stored scale."""
+    from calibration.awq import tensor_digest
+    from cli import exl2_pipeline as xp
+    from convert.exl2_dir import EXL2Weights
+
+    out, _ = outs[3.0]
+    w = EXL2Weights(out)
+    t = w.q_tensors("lm_head")
+    N = t["q_weight"].shape[1]  # vocabulary 512: no column padding
+    full = qexl2.reconstruct(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_groups"],
+                             t["q_invperm"], N)
+    whole = tensor_digest(full)
+    for rows in (32, 96, 4096):
+        monkeypatch.setattr(xp, "VERIFY_ROWS", rows)
+        assert xp._reconstructed_digest("lm_head", t, tuple(full.shape)) == whole
+    t2 = dict(t)
+    t2["q_scale_max"] = t["q_scale_max"].clone()
+    t2["q_scale_max"][-1] *= 2
+    monkeypatch.setattr(xp, "VERIFY_ROWS", 32)
+    assert xp._reconstructed_digest("lm_head", t2, tuple(full.shape)) != whole
+    w.close()
+
+
 def test_layout_config_and_kernel_constraints(outs, models):
     src = models["llama"]
     src_t = _tensors(src)

@@ -67,8 +67,9 @@ HESSIAN_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_pro
 #: the run aborts when the best option of a module scores below this (exllamav2 measure.py)
 MIN_BEST_ACCURACY = 0.1
 #: working memory of one batched GPTQ call of the measurement (about 11 bytes per weight and
-#: setting; SmolLM2's linears take all their settings in one call, an 8B model's one each)
-GPTQ_BATCH_BYTES = 256 << 20
+#: setting; SmolLM2's attention linears take all their settings in one call, its MLP linears
+#: 6 at a time, an 8B model's one each)
+GPTQ_BATCH_BYTES = 64 << 20
 #: lm_head is quantized by round-to-nearest above this many weights (exllamav2 quantize.py)
 RTN_HEAD_NUMEL = 1e9
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -503,6 +504,18 @@ def _fp16_copy(t: torch.Tensor, name: str) -> torch.Tensor:
     return h.cpu()
 
 
+def _rel_rmse(wq: torch.Tensor, w: torch.Tensor, rows: int = 4096) -> float:
+    """‖wq − w‖ / ‖w‖ of two [N, K] weights, in float32 over blocks of ``rows`` output rows
+    (a large head is never copied whole in float32)."""
+    num = torch.zeros((), dtype=torch.float64, device=w.device)
+    den = torch.zeros((), dtype=torch.float64, device=w.device)
+    for a in range(0, w.shape[0], rows):
+        x = w[a:a + rows].float()
+        num += (wq[a:a + rows].float() - x).pow_(2).sum(dtype=torch.float64)
+        den += x.pow_(2).sum(dtype=torch.float64)
+    return float((num / den.clamp_min(1e-60)).sqrt())
+
+
 def quantize_linear(lin: nn.Linear, name: str, H: torch.Tensor, qp: qexl2.QParams, tensors: dict,
                     timings: Timings | None = None, rtn: bool = False) -> LinearRecord:
     """GPTQ-quantize ``lin`` (module ``name``) with Hessian ``H`` float32 [K, K] and ``qp``;
@@ -515,8 +528,7 @@ def quantize_linear(lin: nn.Linear, name: str, H: torch.Tensor, qp: qexl2.QParam
     bias = None if lin.bias is None else lin.bias.detach().to(torch.float16)
     for k, v in res.pack(bias).items():
         tensors[f"{name}.{k}"] = v.cpu()
-    d = res.weight.float() - w16.float()
-    rel = float(d.pow(2).mean().sqrt() / w16.float().pow(2).mean().sqrt().clamp_min(1e-30))
+    rel = _rel_rmse(res.weight, w16)
     rec = LinearRecord(name, (lin.out_features, lin.in_features), qp, linear_bits(qp, lin),
                        lin.bias is not None, tensor_digest(res.weight), rel)
     lin.weight.data = res.weight.to(lin.weight.dtype)

@@ -39,6 +39,8 @@ MAX_IN_FEATURES = 65535
 MAX_GROUP_OFFSET = 32767
 #: Output columns are padded to a multiple of this (exllamav2 ``pad32``).
 COLUMN_PAD = 32
+#: output columns packed at a time by :func:`pack` (a multiple of COLUMN_PAD)
+PACK_COLUMNS = 4096
 
 _U32 = 0xFFFFFFFF
 
@@ -323,23 +325,30 @@ def pack(qweight: torch.Tensor, qscale: torch.Tensor, qscale_max: torch.Tensor,
     bitpos = (torch.arange(K, device=dev) - g_start[row_group]) * row_bits + g_off[row_group] * 32
     word, shift = bitpos // 32, bitpos % 32
 
-    codes = qweight.to(torch.int64)
     maxq = (1 << row_bits) - 1
-    if bool(((codes < 0) | (codes > maxq[:, None])).any()):
-        raise ValueError("pack: qweight holds codes outside 0..2^b-1 for their group's bit width")
     sc = qscale.to(torch.int64)
     if bool(((sc < 1) | (sc > 16)).any()):
         raise ValueError("pack: qscale codes must be in 1..16")
 
     n_pad = -N % COLUMN_PAD
-    if n_pad:
-        fill = (1 << (row_bits - 1))[:, None].expand(K, n_pad)
-        codes = torch.cat([codes, fill], dim=1)
-    shifted = codes << shift[:, None]               # < 2^39: fits int64
-    acc = torch.zeros((n_words + 1, N + n_pad), dtype=torch.int64, device=dev)
-    acc.index_add_(0, word, shifted & _U32)         # disjoint bit fields: add == or
-    acc.index_add_(0, word + 1, shifted >> 32)      # the part that crosses into the next word
-    q_weight = _to_int32(acc[:n_words])
+    parts = []
+    for c0 in range(0, N, PACK_COLUMNS):  # columns pack independently: bounded int64 temporaries
+        c1 = min(N, c0 + PACK_COLUMNS)
+        codes = qweight[:, c0:c1].to(torch.int64)
+        if bool(((codes < 0) | (codes > maxq[:, None])).any()):
+            raise ValueError("pack: qweight holds codes outside 0..2^b-1 for their group's bit width")
+        if c1 == N and n_pad:
+            fill = (1 << (row_bits - 1))[:, None].expand(K, n_pad)
+            codes = torch.cat([codes, fill], dim=1)
+        shifted = codes << shift[:, None]           # < 2^39: fits int64
+        del codes
+        acc = torch.zeros((n_words + 1, shifted.shape[1]), dtype=torch.int64, device=dev)
+        acc.index_add_(0, word, shifted & _U32)     # disjoint bit fields: add == or
+        acc.index_add_(0, word + 1, shifted >> 32)  # the part that crosses into the next word
+        del shifted
+        parts.append(_to_int32(acc[:n_words]))
+        del acc
+    q_weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     nib = torch.nn.functional.pad(sc - 1, (0, n_pad))             # padded columns: code 0
     nib = nib.view(G, (N + n_pad) // 8, 8) << (4 * torch.arange(8, device=dev))

@@ -20,7 +20,12 @@ quantization phases should follow one decoder layer plus the activations, not th
     X = Σ over the 4 input sets (q/k/v, o, gate/up, down) of K² × 4 bytes (the Hessians)
     H = 3 × tokens × hidden × 4    (layer input, reference output, quantized output)
     F = min(tokens, 4096) × (4·ffn + 4·hidden) × 4   (one forward batch's temporaries)
-    S = 2 × (3·hidden·ffn) × 2 bytes  (measurement: two options' fake-quantized MLP weights)
+    S = 64 MiB + 3·hidden·ffn × 2 × 2 bytes  (measurement: one batched GPTQ call's working
+        memory, calibration.exl2_measure.GPTQ_BATCH_BYTES, and fake-quantized MLP weights)
+
+The head (lm_head, quantized after the layers; SmolLM2's tied 49,152 × 576 embedding) is the
+largest single linear: its phase holds it in float32 plus the GPTQ working memory
+(≈ 4 + 11 bytes per weight), i.e. it follows the largest tensor.
 
 exllamav2 0.3.2 itself needs a CUDA GPU (its extension has no CPU path), so the side-by-side
 run is for a machine with one (``--device cuda``; exllamav2's ``convert.py`` on the same
@@ -48,7 +53,7 @@ CHILD = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
 from phase_memory import PhaseWatch, libraries_baseline
-from calibration import engine
+from calibration import engine, exl2_measure as cm
 from cli import exl2_pipeline as xp, calib_pipeline as cp
 from convert import exl2_dir
 args = json.loads(sys.argv[2])
@@ -58,6 +63,7 @@ cp.calibration_rows = w.wrap("tokenize", cp.calibration_rows)
 xp.measure = w.wrap("measurement", xp.measure)
 xp.content_shares = w.wrap("allocation", xp.content_shares)
 engine.run = w.wrap("quantization", engine.run)
+cm.Quantizer.quantize_head = w.wrap("head", cm.Quantizer.quantize_head)
 exl2_dir.EXL2DirWriter.finish = w.wrap("write", exl2_dir.EXL2DirWriter.finish)
 xp.verify_exl2_dir = w.wrap("verify", xp.verify_exl2_dir)
 w.start()
@@ -85,7 +91,7 @@ def expected(model: Path, tokens: int) -> dict[str, int]:
     layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f + 2 * h
     return {"W": layer * 6, "X": (h * h + (heads * hd) ** 2 + h * h + f * f) * 4,
             "H": 3 * tokens * h * 4, "F": min(tokens, 4096) * (4 * f + 4 * h) * 4,
-            "S": 2 * 3 * h * f * 2}
+            "S": (64 << 20) + 3 * h * f * 2 * 2}
 
 
 def main() -> None:
@@ -127,7 +133,7 @@ def main() -> None:
           "'+' = above the phase's own start")
     print(f"{'run':<26} {'peak':>6} " + " ".join(f"{n:>12}" for n in
                                                     ["tokenize", "measurement +", "allocation +",
-                                                     "quantization +", "write", "verify"]))
+                                                     "quantization +", "head +", "write", "verify"]))
     for name, r in runs:
         b, ph, stt = r["base"], r["phases"], r["starts"]
 
@@ -138,7 +144,8 @@ def main() -> None:
             return f"{(ph[k] - b) * mib:>12.0f}" if k in ph else f"{'':>12}"
 
         print(f"{name:<26} {(max(ph.values()) - b) * mib:>6.0f} {above('tokenize')} {plus('measurement')} "
-              f"{plus('allocation')} {plus('quantization')} {above('write')} {above('verify')}")
+              f"{plus('allocation')} {plus('quantization')} {plus('head')} {above('write')} "
+              f"{above('verify')}")
     print(f"expected per layer: measurement ≈ W + X + H + F + S = {(sum(e.values())) * mib:.0f} MiB, "
           f"quantization ≈ W + X + H + F = {(sum(e.values()) - e['S']) * mib:.0f} MiB ("
           + ", ".join(f"{k} {v * mib:.0f}" for k, v in e.items()) + ")")

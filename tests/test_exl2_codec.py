@@ -567,3 +567,21 @@ def test_cuda_roundtrip():
         assert rec.is_cuda and r.weight.is_cuda
         cpu = exl2.reconstruct(*(r.pack()[k].cpu() for k in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")), 200)
         assert torch.equal(cpu.view(torch.int16), rec.cpu().view(torch.int16))
+
+
+def test_pack_by_column_blocks_equals_whole(monkeypatch):
+    """pack() packs PACK_COLUMNS output columns at a time (bounded int64 temporaries for a
+    large head); blocks that split the columns unevenly, with the 32-column padding in the
+    last one, give the same tensors as one block."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 256, generator=g).half()          # N = 200: padded to 224
+    qp = QParams(64, [6, 3], [0.3, 0.7])
+    res = gptq_quantize(w, None, qp)
+    whole = res.pack(torch.randn(200, generator=g).half())
+    for cols in (32, 96):
+        monkeypatch.setattr(exl2, "PACK_COLUMNS", cols)
+        blocks = res.pack(whole["bias"])
+        assert set(blocks) == set(whole)
+        for k in whole:
+            assert blocks[k].dtype == whole[k].dtype and torch.equal(blocks[k], whole[k]), (cols, k)
+    assert whole["q_weight"].shape[1] == 224

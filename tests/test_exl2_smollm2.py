@@ -1,0 +1,97 @@
+"""EXL2 quality on the real SmolLM2-135M (issue 5, "what it must show" 4), by
+scripts/exl2_quality.py: one measurement, EXL2 at 3.0 / 4.0 / 5.0 / 6.0 bpw and at the decoder
+bpw of our own Q4_K_M GGUF, ``quantize eval`` on held-out text.
+
+Asserted on the evaluation's own numbers (eval.json and the summaries), not on the script's
+verdict alone: KL divergence from the FP16 model falls strictly as the target rises, every
+achieved decoder bpw lies in [target − 0.05, target], and at the GGUF's decoder bpw EXL2 has a
+lower KL divergence than the GGUF.
+
+Cost: the measurement (every option of every module, about 4 minutes here) is cached in the
+data cache under a key that covers every source file of calibration/, quantize/, convert/
+and configs/, the model's files and the calibration shape, so any code change measures again;
+the rest (5 quantizations, the GGUF, the evaluation of 7 models) takes about 5 minutes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import assets  # noqa: E402
+
+ROWS, SEQLEN = 4, 128          # calibration (measurement and quantization)
+CHUNKS, CTX = 4, 256           # evaluation on the held-out split
+TARGETS = (3.0, 4.0, 5.0, 6.0)
+
+
+def _key(model: Path) -> str:
+    h = hashlib.sha256(f"{ROWS}x{SEQLEN}".encode())
+    files = sorted(p for d in ("calibration", "quantize", "convert", "configs")
+                   for p in (REPO / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    files += sorted(p for p in model.iterdir() if p.is_file())
+    for p in files:
+        h.update(p.name.encode())
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()[:20]
+
+
+@pytest.fixture(scope="module")
+def measurement(smollm2_dir) -> Path:
+    """SmolLM2's measurement.json by this checkout's code (cached by content key)."""
+    path = assets.cache_root() / "exl2-measurements" / f"smollm2-{ROWS}x{SEQLEN}-{_key(smollm2_dir)}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        p = subprocess.run([sys.executable, "-m", "cli.quantize_main", "exl2", str(smollm2_dir),
+                            "--measure-only", str(path), "--samples", str(ROWS), "--seqlen",
+                            str(SEQLEN), "--device", "cpu", "--quiet"],
+                           cwd=REPO, capture_output=True, text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def quality(measurement, smollm2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exl2_smollm2").resolve()
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "exl2_quality.py"), "--model",
+                        str(smollm2_dir), "--measurement", str(measurement), "--targets",
+                        ",".join(map(str, TARGETS)), "--samples", str(ROWS), "--seqlen",
+                        str(SEQLEN), "--chunks", str(CHUNKS), "--ctx", str(CTX), "--out", str(out)],
+                       cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=2400)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    ev = json.loads((out / "eval.json").read_text())
+    kld = {m["path"]: m["kl"]["kld_mean"] for m in ev["models"][1:]}
+    summaries = {}
+    for f in out.glob("exl2-*.summary.json"):
+        s = json.loads(f.read_text())
+        summaries[float(s["target_bpw"])] = (str(out / f.name.removesuffix(".summary.json")), s)
+    gguf = next(out.glob("*.gguf"))
+    return p, kld, summaries, gguf
+
+
+def test_kl_divergence_falls_as_bpw_rises(quality):
+    p, kld, summaries, _ = quality
+    assert set(TARGETS) <= set(summaries)
+    ks = [kld[summaries[t][0]] for t in TARGETS]
+    assert all(b < a for a, b in zip(ks, ks[1:])), ks
+    for t, (_, s) in summaries.items():
+        assert t - 0.05 <= s["decoder_bpw"] <= t, (t, s["decoder_bpw"])
+        assert s["roundtrip"].startswith("ok (211 linears")
+
+
+def test_beats_q4_k_m_at_its_decoder_bpw(quality):
+    p, kld, summaries, gguf = quality
+    extra = [t for t in summaries if t not in TARGETS]
+    assert len(extra) == 1, summaries.keys()          # the GGUF's decoder bpw, floored
+    t = extra[0]
+    assert 5.0 < t < 6.0                              # Q4_K_M on SmolLM2 mixes Q5_0 / Q4_K / Q6_K / Q8_0
+    assert kld[summaries[t][0]] < kld[str(gguf)], (kld[summaries[t][0]], kld[str(gguf)])
+    assert p.returncode == 0, p.stdout[-2000:]        # the script's own checks agree

@@ -296,12 +296,11 @@ def bound_heap() -> bool:
     after that, the temporaries of a quantization pass (a few MiB to tens of MiB each) live on
     the heap, and the heap keeps what they free: on the 554M llama of scripts/bench_awq.py
     the layer pass then added 866 MiB of anonymous RSS instead of 360 with a 1 MiB threshold
-    (which costs ~30% more time in page faults). With a fixed threshold, every tensor from
+    (which costs ~30% more time in page faults; both reproduced by running the script with
+    ``MALLOC_MMAP_THRESHOLD_=1048576``, which this function leaves alone). With a fixed threshold, every tensor from
     8 MiB up is its own mapping, returned when freed; smaller ones reuse the heap, which
     :func:`trim_heap` returns between steps (the environment variable
     ``MALLOC_MMAP_THRESHOLD_`` sets the same, and wins when given)."""
-    import os
-
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         return False
     lib = _libc()

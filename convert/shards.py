@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from quantize.errors import InputError
+
 #: safetensors dtype names of the torch dtypes we write
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -227,8 +229,6 @@ class ShardSet:
 def checked_float16(t: torch.Tensor, name: str, first_row: int = 0) -> torch.Tensor:
     """``t`` cast to float16 (CPU). Raises InputError naming tensor ``name`` (and the row,
     counting from ``first_row``) when a value is NaN/Inf or outside the float16 range."""
-    from quantize.errors import InputError
-
     h = t.detach().to(device="cpu", dtype=torch.float16)
     bad = ~torch.isfinite(h)
     if bool(bad.any()):

@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 def main() -> None:
-    import assets
-    from cli.awq_pipeline import quantize_awq
-    from cli.calib_pipeline import evaluate
+    from quantpress import assets
+    from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, Source, produce
+    from quantpress.targets.eval import EvalOptions, evaluate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
@@ -46,6 +42,8 @@ def main() -> None:
     variants = {"rtn": dict(rtn=True), "awq": {}, "awq --no-clip": dict(clip=False),
                 "awq --no-duo-scaling": dict(duo_scaling=False)}
     dirs, times = {}, {}
+    compute = ComputeOptions(device=args.device)
+    src = Source(model, compute, CalibOptions(samples=args.samples, seqlen=args.seqlen))
     for name, kw in variants.items():
         d = out / f"{name.replace(' --', '-').replace(' ', '')}-g{args.group_size}"
         dirs[name] = d
@@ -53,12 +51,10 @@ def main() -> None:
             times[name] = float("nan")
             continue
         t0 = time.perf_counter()
-        s = quantize_awq(model, d, group_size=args.group_size, samples=args.samples,
-                         seqlen=args.seqlen, device=args.device, force=True, progress=True, **kw)
+        s = produce(AWQOptions(group_size=args.group_size, **kw), src, d, force=True)
         times[name] = time.perf_counter() - t0
         print(s.text(), flush=True)
-    rep = evaluate(model, list(dirs.values()), ctx=512, chunks=args.chunks, device=args.device,
-                   progress=True)
+    rep = evaluate(model, list(dirs.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
     (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
     base = rep.models[0].ppl["ppl"]
     rtn = rep.models[1].ppl["ppl"]

@@ -4,7 +4,8 @@
 
 Stages (from the command's own summary): tokenize (calibration rows), calibration (streamed
 layer forwards with input capture), search (scale grid + folding), clip (clipping search),
-quantize+pack, write (parts → shards, config, tokenizer files), verify (round trip).
+quantize+pack (these four make the runner's "layers" stage), write (parts → shards, config,
+tokenizer files), verify (round trip).
 
 Peak memory: the child's ``VmHWM`` and its peak anonymous RSS (``RssAnon`` sampled every
 2 ms), above a baseline taken after the libraries are loaded (torch, transformers' model
@@ -22,7 +23,7 @@ own start should follow one decoder layer plus the activations, not the model:
 
 against the whole model in float32 (513 MiB for SmolLM2). There is no reference tool to run beside it:
 AutoAWQ 0.2.9 (deprecated) needs torch 2.6 / transformers 4.51 and a CUDA GPU
-(shared/specs/awq.md §0).
+(AutoAWQ 0.2.9's README and PyPI metadata).
 
 Usage::
 
@@ -40,30 +41,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 CHILD = r"""
 import json, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+sys.path.insert(0, sys.argv[1] + "/scripts")
 import tempfile
 from pathlib import Path
 from phase_memory import PhaseWatch, libraries_baseline, status
-from calibration import engine
-from cli import awq_pipeline as ap, calib_pipeline as cp
-from convert import awq_dir
+from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, Source, produce
 base_anon = libraries_baseline(sys.argv[2])
 print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
 samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-w = PhaseWatch()
-cp.calibration_rows = w.wrap("tokenize", cp.calibration_rows)
-engine.run = w.wrap("layers", engine.run)
-awq_dir.AWQDirWriter.finish = w.wrap("write", awq_dir.AWQDirWriter.finish)
-ap.verify_awq_dir = w.wrap("verify", ap.verify_awq_dir)
-w.start()
+src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
+             progress=False)
+w = PhaseWatch().start()
 with tempfile.TemporaryDirectory() as tmp:
-    s = ap.quantize_awq(sys.argv[2], Path(tmp) / "out", group_size=gs, samples=samples,
-                        seqlen=seqlen, device=device, progress=False)
+    s = produce(AWQOptions(group_size=gs), src, Path(tmp) / "out", progress=False)
 print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), **w.stop()}), flush=True)
 """
 
@@ -123,7 +116,7 @@ def expected_layer_bytes(model: Path, tokens: int, group_size: int,
 
 
 def main() -> None:
-    import assets
+    from quantpress import assets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")

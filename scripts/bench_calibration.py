@@ -19,7 +19,7 @@ both also above the baseline of the interpreter with torch, transformers and the
 
 Each mode runs with glibc's default allocator settings and with
 ``MALLOC_MMAP_THRESHOLD_=131072``; the streaming pass also with ``malloc_trim(0)`` after every
-layer, which is what ``quantize imatrix`` and ``quantize eval`` do (``cli.calib_pipeline.trim_heap``). By default glibc raises its mmap threshold (up to 32 MiB)
+layer, which is what ``quantize imatrix`` and ``quantize eval`` do (``quantpress.runtime.trim_heap``). By default glibc raises its mmap threshold (up to 32 MiB)
 after large blocks are freed, so later tensors of a few MiB come from the heap, and the heap
 keeps freed memory that RSS still counts: the streaming engine, which frees a layer's weights
 and temporaries at every step, then shows RSS growing over the layers although what is live
@@ -54,9 +54,6 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 def _status(key: str) -> int:
@@ -92,8 +89,8 @@ class AnonPeak:
 def _rows(model_dir: Path, rows: int, seqlen: int, seed: int):
     from transformers import AutoTokenizer
 
-    import assets
-    from calibration import data
+    from quantpress import assets
+    from quantpress.calibration import data
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return data.token_rows(tok, data.calibration_articles(assets.standard_cal_data())[:400],
@@ -105,8 +102,8 @@ def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, s
     import torch
     import transformers  # noqa: F401  (part of the baseline)
 
-    from calibration import engine
-    from calibration.stats import StatsCollector
+    from quantpress.calibration import engine
+    from quantpress.calibration.stats import StatsCollector
 
     toks = _rows(model_dir, rows, seqlen, seed)
     base_rss, base_anon = _status("VmRSS"), _status("RssAnon")
@@ -116,7 +113,7 @@ def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, s
         t0 = time.perf_counter()
         sm = engine.StreamingModel(model_dir, "cpu", torch.float32)
         col = StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
-        from cli.calib_pipeline import trim_heap
+        from quantpress.runtime import trim_heap
 
         engine.run(sm, toks, hooks_factory=col, batch_size=batch_rows, hidden_device="cpu", progress=False,
                    on_layer=trim_heap if trim else None)
@@ -151,7 +148,7 @@ def expected(model_dir: Path, rows: int, seqlen: int, batch_rows: int, bytes_per
     from safetensors import safe_open
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    h, ffn, heads, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    h, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     layer0 = total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -183,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trim", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.model is None:
-        import assets
+        from quantpress import assets
         args.model = str(assets.smollm2_dir())
     model_dir = Path(args.model)
     if args.child:

@@ -7,9 +7,10 @@
 3. ``--measurement M --bpw B``: a second target from the same file: it costs only the
    allocation and the quantization pass (run 2's stages again, no measurement).
 
-Stages come from the command's own summary (calibration = tokenizing the rows, measurement,
+Stages come from the command's own summary (tokenize = the calibration rows, measurement,
 allocation — with the ``content`` objective and a reused measurement it includes one
-unquantized forward pass for the token-norm shares —, quantization, write, verify).
+unquantized forward pass for the token-norm shares —, quantization (the decoder layers),
+head, write, verify).
 
 Peak memory: the child's peak anonymous RSS (``RssAnon`` sampled every 2 ms) above a
 baseline taken after the libraries are loaded (torch, transformers' model classes and
@@ -46,29 +47,24 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 CHILD = r"""
 import json, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+sys.path.insert(0, sys.argv[1] + "/scripts")
+from pathlib import Path
 from phase_memory import PhaseWatch, libraries_baseline
-from calibration import engine, exl2_measure as cm
-from cli import exl2_pipeline as xp, calib_pipeline as cp
-from convert import exl2_dir
+from quantpress.targets import (CalibOptions, ComputeOptions, EXL2MeasurementOptions, EXL2Options,
+                                Source, produce)
 args = json.loads(sys.argv[2])
 base = libraries_baseline(args["model"])
-w = PhaseWatch()
-cp.calibration_rows = w.wrap("tokenize", cp.calibration_rows)
-xp.measure = w.wrap("measurement", xp.measure)
-xp.content_shares = w.wrap("allocation", xp.content_shares)
-engine.run = w.wrap("quantization", engine.run)
-cm.Quantizer.quantize_head = w.wrap("head", cm.Quantizer.quantize_head)
-exl2_dir.EXL2DirWriter.finish = w.wrap("write", exl2_dir.EXL2DirWriter.finish)
-xp.verify_exl2_dir = w.wrap("verify", xp.verify_exl2_dir)
-w.start()
-kw = {k: v for k, v in args.items() if k != "model"}
-s = xp.quantize_exl2(args["model"], progress=False, **kw)
+src = Source(args["model"], ComputeOptions(device=args["device"]),
+             CalibOptions(samples=args["samples"], seqlen=args["seqlen"]), progress=False)
+if "measure_only" in args:
+    opts, out = EXL2MeasurementOptions(), args["measure_only"]
+else:
+    opts, out = EXL2Options(bpw=args["bpw"], measurement=args["measurement"]), args["out"]
+w = PhaseWatch().start()
+s = produce(opts, src, Path(out), progress=False)
 print("RESULT", json.dumps({**s.to_json(), "base": base, **w.stop()}), flush=True)
 """
 
@@ -95,7 +91,7 @@ def expected(model: Path, tokens: int) -> dict[str, int]:
 
 
 def main() -> None:
-    import assets
+    from quantpress import assets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
@@ -119,7 +115,7 @@ def main() -> None:
             runs.append((f"--measurement, bpw {t}", _run(model, out=str(Path(tmp) / f"q{t}"), bpw=t,
                                                          measurement=str(meas), **common)))
             print(f"  bpw {t} from the measurement: {runs[-1][1]['seconds']:.1f} s", flush=True)
-    names = ["calibration", "measurement", "allocation", "quantization", "write", "verify"]
+    names = ["tokenize", "measurement", "allocation", "quantization", "head", "write", "verify"]
     print()
     print(f"{'run':<26} {'total':>7} " + " ".join(f"{n:>12}" for n in names) + "  (seconds)")
     for name, r in runs:
@@ -152,8 +148,8 @@ def main() -> None:
     params = runs[1][1]["parameters"]
     print(f"(the whole model in float32: {params * 4 * mib:.0f} MiB)")
     for name, r in runs[1:]:
-        print(f"{name}: decoder {r['decoder_bpw']:.3f} bpw, file {r['file_bpw']:.3f} bpw, "
-              f"objective {r['objective']}, {r['roundtrip']}")
+        print(f"{name}: decoder {r['details']['decoder_bpw']:.3f} bpw, file {r['bpw']:.3f} bpw, "
+              f"objective {r['details']['objective']}, {r['roundtrip']}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
-import assets  # noqa: E402
+import llamacpp_tools  # noqa: E402
+from quantpress import assets  # noqa: E402
 
 PY = sys.executable
 
@@ -68,7 +69,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     model = {"smollm2": assets.smollm2_dir, "synth4x": synth4x}.get(args.model, lambda: Path(args.model))()
-    src = assets.llamacpp_src()
+    src = llamacpp_tools.llamacpp_src()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     nthread = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as d:
@@ -83,10 +84,10 @@ def main() -> int:
         report = d / "report.json"
         mine = measure([str(REPO / ".venv/bin/convert"), "hf-to-gguf", str(model), "--policy", args.policy,
                         "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report)])
-        stages = json.loads(report.read_text())["timings"]
+        stages = json.loads(report.read_text())["stages"]
         mine_q = measure([str(REPO / ".venv/bin/quantize"), "gguf", str(ref_f16), "--policy", args.policy,
                           "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report)])
-        stages_q = json.loads(report.read_text())["timings"]
+        stages_q = json.loads(report.read_text())["stages"]
         from refs import tensors_of
         identical = tensors_of(ours) == tensors_of(ref_q) and tensors_of(ours_q) == tensors_of(ref_q)
         size = ref_q.stat().st_size

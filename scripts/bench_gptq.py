@@ -6,7 +6,8 @@ quantized under each distinct setting of exllamav2's option table, as
 For each linear (q/k/v/o_proj 576→576/192/192/576, gate/up_proj 576→1536, down_proj
 1536→576; weight [N, K] = [out, in]) the settings are the distinct ``opt[name]`` of
 :func:`quantize.exl2.attn_options` / :func:`quantize.exl2.mlp_options` in first-use order (q, k,
-o 14, v 15, gate/up 13, down 14: specs/exl2.md §2). Inputs are random but shaped like real
+o 14, v 15, gate/up 13, down 14, as exllamav2 0.3.2's ``get_qparams_reduced`` counts them).
+Inputs are random but shaped like real
 ones: activations X [tokens, K] from K/8 latent factors plus noise with uneven channel
 energy (a few channels 20x), H = XᵀX / tokens (float32), and a float16 weight ~N(0, 0.02²)
 with a few outlier inputs. Timed per linear, best of ``--repeat``, in wall seconds and in
@@ -15,7 +16,7 @@ process CPU seconds (the steadier figure on a shared machine: the runs are singl
 * ``single``: the old way, one call per setting: ``gptq_quantize_many(w, H, [qp])`` for each
   qp (= ``gptq_quantize``, the same code);
 * ``many``: one ``gptq_quantize_many(w, H, settings)`` call;
-* ``--against REV``: also ``gptq_quantize`` of ``quantize/gptq.py`` as committed at git
+* ``--against REV``: also ``gptq_quantize`` of ``gptq.py`` as committed at git
   revision REV (e.g. the commit before gptq_quantize_many), one call per setting.
 
 The many-call's results are checked equal to the single calls' (weights bit for bit).
@@ -43,10 +44,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from quantize import exl2  # noqa: E402
-from quantize.gptq import gptq_quantize_many  # noqa: E402
+from quantpress.quantize import exl2  # noqa: E402
+from quantpress.quantize.gptq import gptq_quantize_many  # noqa: E402
 
 #: SmolLM2-135M: name -> (K, N) = (in_features, out_features); 30 decoder layers
 SMOL_LINEARS = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192),
@@ -76,9 +76,16 @@ def inputs(K: int, N: int, tokens: int, seed: int, device: str) -> tuple[torch.T
 
 
 def module_at(rev: str):
-    """``quantize/gptq.py`` as committed at git revision ``rev``, imported as a lone module."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:quantize/gptq.py"],
-                         check=True, capture_output=True, text=True).stdout
+    """``gptq.py`` as committed at git revision ``rev`` (``src/quantpress/quantize/gptq.py``, or
+    ``quantize/gptq.py`` before the package moved under src/; its imports of the old top-level
+    packages are pointed at ``quantpress``), imported as a lone module."""
+    for path in ("src/quantpress/quantize/gptq.py", "quantize/gptq.py"):
+        p = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if p.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no gptq.py at revision {rev}")
+    src = p.stdout.replace("from quantize.", "from quantpress.quantize.")
     path = Path(tempfile.mkdtemp()) / f"gptq_at_{rev.replace('/', '_')}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)

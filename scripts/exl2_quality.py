@@ -44,8 +44,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 #: the decoder-layer linear weights of a llama-family GGUF (what EXL2's bpw budgets)
 GGUF_DECODER_LINEARS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
@@ -79,7 +77,7 @@ def gguf_bpw(path: Path, parameters: int) -> dict:
     8 · bytes / numel over the decoder layers' linear weights (:data:`GGUF_DECODER_LINEARS`),
     whole-file bpw = 8 · all tensor bytes / ``parameters`` (the source checkpoint's), ``types``
     the tensor type counts of those linears (e.g. ``{"attn_q.weight Q5_0": 30}``)."""
-    from convert.gguf_inspect import inspect_gguf
+    from quantpress.convert.gguf_inspect import inspect_gguf
 
     info = inspect_gguf(path)
     bits = numel = 0
@@ -99,8 +97,8 @@ def gguf_bpw(path: Path, parameters: int) -> dict:
 
 
 def main() -> int:
-    import assets
-    from calibration.exl2_alloc import DEFAULT_OBJECTIVE, OBJECTIVE_MODES
+    from quantpress import assets
+    from quantpress.calibration.exl2_alloc import DEFAULT_OBJECTIVE, OBJECTIVE_MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
@@ -141,7 +139,7 @@ def main() -> int:
     else:
         meas = out / "measurement.json"
         if not (args.reuse and meas.is_file()):
-            run_cli(["cli.quantize_main", "exl2", str(model), "--measure-only", str(meas), *cal,
+            run_cli(["quantpress", "exl2", str(model), "--measure-only", str(meas), *cal,
                      "--quiet", "--force"])
 
     # 2. the GGUF and its decoder bpw
@@ -150,7 +148,7 @@ def main() -> int:
     if not args.no_gguf:
         gguf = out / f"{model.name}-{args.policy}.gguf"
         if not (args.reuse and gguf.is_file()):
-            run_cli(["cli.convert_main", "hf-to-gguf", str(model), "-o", str(gguf), "--policy",
+            run_cli(["quantpress", "hf-to-gguf", str(model), "-o", str(gguf), "--policy",
                      args.policy, "--device", args.device, "--quiet", "--force"])
         g = gguf_bpw(gguf, params)
         g_target = math.floor(g["decoder_bpw"] * 1e4) / 1e4
@@ -164,7 +162,7 @@ def main() -> int:
             d = out / f"exl2-{obj}-{t:g}bpw"
             sfile = out / f"{d.name}.summary.json"
             if not (args.reuse and sfile.is_file() and (d / "config.json").is_file()):
-                text = run_cli(["cli.quantize_main", "exl2", str(model), "--measurement", str(meas),
+                text = run_cli(["quantpress", "exl2", str(model), "--measurement", str(meas),
                                 "--bpw", repr(t), "--objective", obj, "-o", str(d), *cal,
                                 "--quiet", "--force", "--json"], capture=True)
                 sfile.write_text(text)
@@ -172,7 +170,7 @@ def main() -> int:
 
     # 4. evaluation
     paths = [str(d) for _, _, d, _ in runs] + ([str(gguf)] if gguf else [])
-    text = run_cli(["cli.quantize_main", "eval", str(model), *paths, "--ctx", str(args.ctx),
+    text = run_cli(["quantpress", "eval", str(model), *paths, "--ctx", str(args.ctx),
                     "--chunks", str(args.chunks), "--device", args.device, "--quiet", "--json"],
                    capture=True)
     (out / "eval.json").write_text(text)
@@ -195,14 +193,14 @@ def main() -> int:
                 f"{kl['kld_mean']:.5f} | {kl['kld_p99']:.4f} | {100 * kl['same_top']:.2f}% |")
 
     for obj, t, d, s in sorted(runs, key=lambda r: (r[0], r[1])):
-        lines.append(row("EXL2", obj, f"{t:g}", s["decoder_bpw"], s["file_bpw"], by_path[str(d)]))
+        lines.append(row("EXL2", obj, f"{t:g}", s["details"]["decoder_bpw"], s["bpw"], by_path[str(d)]))
     if gguf:
         lines.append(row(f"GGUF {args.policy}", "llama.cpp policy", "", g["decoder_bpw"],
                          g["file_bpw"], by_path[str(gguf)]))
         lines.append("")
         lines.append(f"GGUF {args.policy} decoder linears: "
                      + ", ".join(f"{k} x{v}" for k, v in sorted(g["types"].items())))
-        numels = sorted({s["decoder_numel"] for _, _, _, s in runs})
+        numels = sorted({s["details"]["decoder_numel"] for _, _, _, s in runs})
         lines.append(f"decoder weights counted: GGUF {g['decoder_numel']:,}, EXL2 "
                      f"{', '.join(f'{n:,}' for n in numels)} (EXL2 pads out_features to 32)")
 

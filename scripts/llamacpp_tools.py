@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""llama.cpp's command-line tools and reference GGUFs of SmolLM2, built once and cached.
+"""llama.cpp itself, the reference of the tests and benchmarks (never part of quantpress), built
+once and cached under quantpress's cache root.
 
+- ``llamacpp_src()``: llama.cpp's source tree as vendored in the ``llama-cpp-python==0.3.36``
+  sdist (for the reference ``convert_hf_to_gguf.py``; never committed).
 - ``tools()``: ``llama-quantize``, ``llama-perplexity`` and ``llama-imatrix`` compiled from the
-  pinned source (``assets.llamacpp_src()``, llama.cpp 0c1e57098 as vendored in
-  llama-cpp-python 0.3.36) with the CMake line of shared/specs/gguf.md §0 (static, Release,
-  no CURL/tests/examples/server). About 4 minutes on 2 cores the first time, then taken from
+  pinned source (``llamacpp_src()``, llama.cpp 0c1e57098 as vendored in llama-cpp-python
+  0.3.36), static, Release, without CURL, tests, examples or the server. About 4 minutes on 2 cores the first time, then taken from
   ``<cache>/ref/llama_cpp_tools-0.3.36/bin``. llama-cpp-python ships only the shared
   libraries; the imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
   written by ``llama-imatrix``, which the Python bindings do not expose.
@@ -20,11 +22,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import assets  # noqa: E402
+from quantpress import assets
+
+LLAMA_CPP_PYTHON = "0.3.36"
 
 TARGETS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
@@ -32,8 +36,21 @@ CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", 
                "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF"]
 
 
+def llamacpp_src() -> Path:
+    """llama.cpp source tree vendored in llama-cpp-python's sdist (for convert_hf_to_gguf.py),
+    downloaded with pip and unpacked into the cache once."""
+    out = assets.cache_root() / "ref" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (out / "convert_hf_to_gguf.py").exists():
+        return out
+    sdist = assets.pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", assets.cache_root() / "dl", sdist=True)
+    with tarfile.open(sdist) as t:
+        t.extractall(assets.cache_root() / "ref", filter="data")
+    return out
+
+
 def build_dir() -> Path:
-    return assets.cache_root() / "ref" / f"llama_cpp_tools-{assets.LLAMA_CPP_PYTHON}"
+    """Where the tools are built (in the cache)."""
+    return assets.cache_root() / "ref" / f"llama_cpp_tools-{LLAMA_CPP_PYTHON}"
 
 
 def tools() -> Path:
@@ -44,7 +61,7 @@ def tools() -> Path:
     bindir = b / "bin"
     if all((bindir / t).is_file() for t in TARGETS):
         return bindir
-    src = assets.llamacpp_src()
+    src = llamacpp_src()
     b.mkdir(parents=True, exist_ok=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     flags = [f for f in CMAKE_FLAGS if f not in ("-G", "Ninja")]
@@ -72,7 +89,7 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             t = Path(tmp, f16.name)
             env = dict(os.environ, HF_HUB_OFFLINE="1")
-            subprocess.run([sys.executable, str(assets.llamacpp_src() / "convert_hf_to_gguf.py"),
+            subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"),
                             str(assets.smollm2_dir()), "--outtype", "f16", "--outfile", str(t)],
                            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             t.rename(f16)

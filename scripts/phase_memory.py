@@ -1,11 +1,11 @@
-"""Peak anonymous memory per phase of a pipeline run, for the benchmark scripts' child
+"""Peak anonymous memory per stage of a quantpress run, for the benchmark scripts' child
 processes (scripts/bench_awq.py, scripts/bench_exl2.py).
 
 A :class:`PhaseWatch` samples ``RssAnon`` of this process every 2 ms on a thread and keeps,
 per phase, the peak, the level at the phase's start (after giving freed heap memory back), and
-the innermost frames of this repository's code at the moment of the peak. Phases are entered by
-wrapping the functions that make them (:meth:`PhaseWatch.wrap`); a function called inside
-another phase counts toward the outer one.
+the innermost frames of quantpress's code at the moment of the peak. Phases are the runner's
+stages (:data:`quantpress.targets.base.STAGE_OBSERVERS`: tokenize, layers, measurement,
+allocation, quantization, head, write, verify, ...): :meth:`PhaseWatch.start` subscribes.
 
 :func:`libraries_baseline` loads what every run loads whatever the model (torch, transformers'
 model classes and what they import, the tokenizer) so that the figures above it are the
@@ -19,7 +19,9 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parent.parent)
+import quantpress
+
+PACKAGE = str(Path(quantpress.__file__).resolve().parent)
 
 
 def status(key: str) -> int:
@@ -34,19 +36,20 @@ def status(key: str) -> int:
 def libraries_baseline(model: str | Path) -> int:
     """Build ``model``'s streaming skeleton and tokenizer once, drop them, trim the heap;
     returns the anonymous RSS then (bytes)."""
-    from calibration import engine
-    from cli import calib_pipeline as cp
+    from quantpress.calibration import engine
+    from quantpress.convert import loaders
+    from quantpress.runtime import trim_heap
 
     sm = engine.StreamingModel(model)
-    tok = cp.find_loader(Path(model)).tokenizer(Path(model))
+    tok = loaders.find_loader(Path(model)).tokenizer(Path(model))
     tok(["warm up"], add_special_tokens=False)
     del sm, tok
-    cp.trim_heap()
+    trim_heap()
     return status("RssAnon")
 
 
 class PhaseWatch:
-    """Per-phase peaks of anonymous RSS (bytes): ``peaks``, ``starts``, ``where``."""
+    """Per-stage peaks of anonymous RSS (bytes): ``peaks``, ``starts``, ``where``."""
 
     def __init__(self, period: float = 0.002):
         self.period = period
@@ -66,32 +69,33 @@ class PhaseWatch:
                 f = sys._current_frames().get(self._main)
                 st = traceback.extract_stack(f) if f is not None else []
                 self.where[ph] = [f"{Path(x.filename).name}:{x.name}:{x.lineno}"
-                                  for x in st if REPO in x.filename][-3:]
+                                  for x in st if PACKAGE in x.filename][-3:]
             time.sleep(self.period)
 
-    def wrap(self, name: str, fn):
-        """``fn`` running as phase ``name`` (unless called from inside another phase)."""
-        from cli import calib_pipeline as cp
+    def observe(self, stage: str, event: str) -> None:
+        """A runner stage starts or ends (``quantpress.targets.base.STAGE_OBSERVERS``)."""
+        from quantpress.runtime import trim_heap
 
-        def wrapped(*a, **k):
-            prev = self.phase
-            if prev != "setup":
-                return fn(*a, **k)
-            cp.trim_heap()
-            self.starts[name] = status("RssAnon")
-            self.phase = name
-            try:
-                return fn(*a, **k)
-            finally:
-                self.phase = prev
-        return wrapped
+        if event == "start":
+            trim_heap()
+            self.starts.setdefault(stage, status("RssAnon"))
+            self.phase = stage
+        else:
+            self.phase = "setup"
 
     def start(self) -> "PhaseWatch":
+        """Start sampling and follow the runner's stages."""
+        from quantpress.targets.base import STAGE_OBSERVERS
+
+        STAGE_OBSERVERS.append(self.observe)
         self._thread.start()
         return self
 
     def stop(self) -> dict:
         """Stop sampling; returns {"phases", "starts", "where"} for the parent."""
+        from quantpress.targets.base import STAGE_OBSERVERS
+
         self._done.set()
         self._thread.join()
+        STAGE_OBSERVERS.remove(self.observe)
         return {"phases": self.peaks, "starts": self.starts, "where": self.where}

@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests"))
 
-import assets  # noqa: E402
+import llamacpp_tools  # noqa: E402
 import synth  # noqa: E402
+from quantpress import assets  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +25,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def llamacpp_src() -> Path:
     """llama.cpp source vendored in llama-cpp-python 0.3.36 (convert_hf_to_gguf.py lives here)."""
-    return assets.llamacpp_src()
+    return llamacpp_tools.llamacpp_src()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ the codec tests.
   NULL)`` (no imatrix: the ``quantize_row_<type>_ref`` path for the types tested here).
 * :func:`ref_dequantize` calls ``ggml_get_type_traits(type)->to_float``
   (``dequantize_row_<type>``).
-* :func:`available` tells whether the library can be loaded (tests skip otherwise).
+* :func:`available` tells whether the library can be loaded (the test stack installs it).
 """
 from __future__ import annotations
 

@@ -3,13 +3,15 @@ pinned source) and its quantizer (llama_model_quantize from llama-cpp-python 0.3
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 
 def ref_convert(llamacpp_src: Path, model_dir: Path, out: Path, outtype: str = "f16") -> Path:
@@ -34,11 +36,82 @@ def ref_quantize(src: Path, out: Path, policy: str, nthread: int = 2) -> Path:
     return out
 
 
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+           10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """Scalar/string KVs (arrays as None) and (name, ggml type id, numpy-order shape, absolute
+    data offset) of every tensor, in file order, parsed directly from the GGUF v3 header (layout: llama.cpp 0c1e570
+    ``ggml/src/gguf.cpp``). gguf.GGUFReader builds
+    numpy views for each of the ~100k tokenizer strings (about 5 s per file); this skips
+    arrays instead. ``test_header_parser_agrees_with_gguf_reader`` (test_gguf_policy.py) checks
+    it against GGUFReader, and :func:`tensors_of` gives GGUFReader's bytes."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", m, 0)
+        assert magic == 0x46554747 and version == 3, (magic, version)
+        pos = 24
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", m, pos)
+            pos += 8 + n
+            return bytes(m[pos - n:pos]).decode("utf-8")
+
+        def skip_or_read(vtype: int):
+            nonlocal pos
+            if vtype == 8:
+                return string()
+            if vtype == 9:
+                etype, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if etype == 8:
+                    for _ in range(count):
+                        (n,) = struct.unpack_from("<Q", m, pos)
+                        pos += 8 + n
+                elif etype == 9:
+                    for _ in range(count):
+                        skip_or_read(9)
+                else:
+                    pos += count * struct.calcsize(_SCALAR[etype])
+                return None
+            fmt = _SCALAR[vtype]
+            (v,) = struct.unpack_from(fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        kv = {}
+        for _ in range(n_kv):
+            key = string()
+            (vtype,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            kv[key] = skip_or_read(vtype)
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            ne = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            ttype, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            tensors.append((name, ttype, tuple(int(d) for d in reversed(ne)), offset))
+        align = int(kv.get("general.alignment") or 32)
+        start = pos + (-pos % align)
+    return kv, [(n, t, shape, start + off) for n, t, shape, off in tensors]
+
+
+
 def tensors_of(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """name -> (ggml type name, ne shape, raw bytes) of every tensor in a GGUF file."""
-    r = GGUFReader(str(path))
-    return {t.name: (GGMLQuantizationType(t.tensor_type).name, tuple(int(d) for d in t.shape),
-                     np.asarray(t.data).tobytes()) for t in r.tensors}
+    """name -> (ggml type name, ne shape, raw bytes) of every tensor in a GGUF file, in file
+    order (the header parsed by :func:`gguf_header`; sizes from gguf-py's GGML_QUANT_SIZES)."""
+    _, tensors = gguf_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, ttype, shape, offset in tensors:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            f.seek(offset)
+            out[name] = (GGMLQuantizationType(ttype).name, tuple(reversed(shape)),
+                         f.read(math.prod(shape) // block * size))
+    return out
 
 
 def kvs_of(path: Path) -> dict[str, tuple[list[int], object]]:

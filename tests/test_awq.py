@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import make
 import synth
-from calibration import awq as cawq
-from calibration import engine
-from cli import awq_pipeline as ap
-from cli.quantize_main import main as quantize_main
-from convert import awq_dir
-from quantize import awq as qawq
+from quantpress.calibration import awq as cawq
+from quantpress.calibration import engine
+from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.convert import awq_dir
+from quantpress.quantize import awq as qawq
 
-CAL = dict(samples=4, seqlen=64, progress=False, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +47,11 @@ def _all_tensors(d: Path) -> dict[str, torch.Tensor]:
 def test_directory_layout_and_roundtrip(models, tmp_path, name):
     src = models[name]
     out = tmp_path / "out"
-    s = ap.quantize_awq(src, out, group_size=64, **CAL)
-    assert s.roundtrip.startswith("ok") and s.quantized == s.linears == 14 and not s.not_converted
+    s = make.awq(src, out, group_size=64)
+    d = s.details
+    assert s.roundtrip.startswith("ok") and d["linears_quantized"] == d["linears"] == 14
+    assert not d["modules_to_not_convert"] and s.kind == "awq" and s.target == "w4g64"
+    assert s.files == {f.name: f.stat().st_size for f in sorted(out.iterdir())}
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64,
                                           "zero_point": True, "version": "gemm",
@@ -98,17 +100,17 @@ def test_folding_keeps_the_fp16_function(models):
     x = torch.randn(2, 16, sm.hidden_size)
     ref = layer(x, **kw)
     ref = ref[0] if isinstance(ref, tuple) else ref
-    lq = cawq.LayerQuantizer(spec, cawq.AWQOptions(group_size=64), sm.layer_prefix, lambda *a: None)
-    t16 = lq._float16_tensors(0, layer)
+    lq = cawq.LayerQuantizer(spec, cawq.AWQSettings(group_size=64), sm.layer_prefix, lambda *a: None)
+    t16 = lq.float16_tensors(0, layer)
     shapes = {n: tuple(t16[n + ".weight"].shape) for n in spec.linears}
     g = torch.Generator().manual_seed(0)
     applied = 0
     for grp in spec.groups:
-        assert lq._group_applies(grp, shapes)  # MHA: v→o included
+        assert lq.group_applies(grp, shapes)  # MHA: v→o included
         k = t16[grp.layers[0] + ".weight"].shape[1]
         s = (torch.rand(k, generator=g) * 1.5 + 0.5).half()
         caches = {spec.input_of(grp.layers[0]): torch.ones(1, 1, k)}
-        lq._fold(grp, s, t16, caches)
+        lq.fold(grp, s, t16, caches)
         assert torch.allclose(caches[spec.input_of(grp.layers[0])][0, 0], 1 / s.float(), rtol=1e-3)
         applied += 1
     assert applied == 4
@@ -119,14 +121,14 @@ def test_folding_keeps_the_fp16_function(models):
     assert float((got - ref).abs().max()) > 0  # the weights did change
     gqa = cawq.arch_spec("qwen2")
     shapes_gqa = {"self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256)}
-    assert not lq._group_applies(gqa.groups[1], shapes_gqa)
+    assert not lq.group_applies(gqa.groups[1], shapes_gqa)
 
 
 def test_search_groups_and_clip_skips(models, monkeypatch):
     """Which groups are searched and which linears are clipped: MHA has 4 groups, GQA 3;
     q/k are never clipped; a group whose layers cannot be quantized is skipped."""
     seen = []
-    orig = cawq.LayerQuantizer._search_scale
+    orig = cawq.LayerQuantizer.search_scale
 
     def spy(self, g, *a):
         seen.append(g.inspect)
@@ -139,21 +141,20 @@ def test_search_groups_and_clip_skips(models, monkeypatch):
         clipped.append(tuple(w.shape))
         return orig_clip(w, x, *a, **k)
 
-    monkeypatch.setattr(cawq.LayerQuantizer, "_search_scale", spy)
+    monkeypatch.setattr(cawq.LayerQuantizer, "search_scale", spy)
     monkeypatch.setattr(qawq, "best_clip", spy_clip)
-    ap.quantize_awq(models["llama_mha"], Path(models["llama_mha"]).parent / "o_mha", group_size=64,
-                    force=True, **CAL)
+    make.awq(models["llama_mha"], Path(models["llama_mha"]).parent / "o_mha", group_size=64, force=True)
     assert seen == ["self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"] * 2
     # v, o, gate, up, down clipped per layer (q, k skipped): shapes [out, in]
     assert clipped == [(256, 256), (256, 256), (576, 256), (576, 256), (256, 576)] * 2
     seen.clear()
     # g128: in 576 is not a multiple, so down_proj stays FP16 and its group is not searched
-    s = ap.quantize_awq(models["llama"], Path(models["llama"]).parent / "o_g128", group_size=128,
-                        force=True, **CAL)
+    s = make.awq(models["llama"], Path(models["llama"]).parent / "o_g128", group_size=128, force=True)
     assert seen == ["self_attn", "mlp"] * 2
-    assert s.not_converted == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    not_converted = s.details["modules_to_not_convert"]
+    assert not_converted == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     cfg = json.loads((Path(models["llama"]).parent / "o_g128" / "config.json").read_text())
-    assert cfg["quantization_config"]["modules_to_not_convert"] == s.not_converted
+    assert cfg["quantization_config"]["modules_to_not_convert"] == not_converted
     t = _all_tensors(Path(models["llama"]).parent / "o_g128")
     assert t["model.layers.0.mlp.down_proj.weight"].dtype == torch.float16
     assert "model.layers.0.mlp.down_proj.qweight" not in t
@@ -162,13 +163,14 @@ def test_search_groups_and_clip_skips(models, monkeypatch):
 def test_awq_beats_rtn_on_the_calibrated_outputs(models, tmp_path):
     """On the model's own activations, AWQ's layers reproduce the FP16 outputs better than
     round-to-nearest (the objective the search minimizes)."""
-    from cli import calib_pipeline as cp
+    from quantpress.targets import CalibOptions, calibration_rows
 
     src = models["llama"]
-    a = ap.quantize_awq(src, tmp_path / "awq", group_size=64, **CAL)
-    r = ap.quantize_awq(src, tmp_path / "rtn", group_size=64, rtn=True, progress=False)
-    assert a.method == "awq" and r.method == "rtn" and r.rows == 0
-    rows, _ = cp.calibration_rows(src, samples=8, seqlen=64, seed=1, progress=False)
+    a = make.awq(src, tmp_path / "awq", group_size=64)
+    r = make.awq(src, tmp_path / "rtn", group_size=64, rtn=True)
+    assert a.details["method"] == "awq" and r.details["method"] == "rtn"
+    assert r.details["calibration"]["rows"] == 0 and "tokenize" not in r.stages
+    rows, _ = calibration_rows(src, CalibOptions(samples=8, seqlen=64, seed=1), progress=False)
     base = engine.StreamingModel(src, dtype=torch.float32)
     ref = base.final_logits(engine.run(base, rows, progress=False))
     errs = {}
@@ -186,7 +188,7 @@ def test_sharded_output_and_cli(models, tmp_path, capsys):
                           "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["roundtrip"].startswith("ok") and summary["linears_quantized"] == 14
+    assert summary["roundtrip"].startswith("ok") and summary["details"]["linears_quantized"] == 14
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -201,6 +203,7 @@ def test_sharded_output_and_cli(models, tmp_path, capsys):
     assert set(index["weight_map"]) == set(t)
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in t.values())
     assert summary["bpw"] == pytest.approx(8 * index["metadata"]["total_size"] / summary["parameters"], rel=1e-3)
+    assert summary["files"] == {f.name: f.stat().st_size for f in sorted(out.iterdir())}
     # an existing output needs --force
     assert quantize_main(["awq", str(src), "-o", str(out), "--rtn", "--quiet"]) == 2
     assert "already exists (use --force" in capsys.readouterr().err

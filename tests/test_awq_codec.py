@@ -1,15 +1,17 @@
 """AWQ math (quantize/awq.py) against independent computations: the fp16 group quantizer
-against a numpy float16 transcription of spec §1.7, the GEMM packing against bit arithmetic
-on Python ints (spec §2) and the reference dequantization (convert/awq_dir.py, spec §4), the
-scale grid (§1.4) and the clipping search (§1.6) against straightforward loop versions."""
+against a numpy float16 transcription of AutoAWQ 0.2.9's ``pseudo_quantize_tensor``
+(``awq/quantize/quantizer.py``), the GEMM packing (``WQLinear_GEMM.from_linear``) against
+bit arithmetic on Python ints and the reference dequantization (convert/awq_dir.py, after
+``awq/utils/packing_utils.py`` ``dequantize_gemm``), the scale grid (``_search_best_scale``)
+and the clipping search (``_compute_best_clip``) against straightforward loop versions."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from convert import awq_dir
-from quantize import awq
+from quantpress.convert import awq_dir
+from quantpress.quantize import awq
 
 
 def _weights(out=64, cin=256, seed=0, outliers=True) -> torch.Tensor:
@@ -23,8 +25,9 @@ def _weights(out=64, cin=256, seed=0, outliers=True) -> torch.Tensor:
 
 
 def _np_pseudo_quantize(w: np.ndarray, bits: int, gs: int):
-    """Spec §1.7 in numpy float16 (every operation rounded to float16; w/scale overflows to
-    inf in a constant group, as in torch)."""
+    """AutoAWQ 0.2.9's pseudo-quantization (``awq/quantize/quantizer.py``
+    ``pseudo_quantize_tensor``) in numpy float16 (every operation rounded to float16;
+    w/scale overflows to inf in a constant group, as in torch)."""
     g = w.reshape(-1, gs).astype(np.float16)
     mx = g.max(axis=1, keepdims=True)
     mn = g.min(axis=1, keepdims=True)
@@ -65,7 +68,8 @@ def test_pseudo_quantize_rejects_bad_input():
 
 
 def test_pack_order_on_python_ints():
-    """Nibble k of int32 column c holds logical column 8c + [0,2,4,6,1,3,5,7][k] (spec §2)."""
+    """Nibble k of int32 column c holds logical column 8c + [0,2,4,6,1,3,5,7][k] (AutoAWQ
+    0.2.9 ``AWQ_ORDER``, ``awq/utils/packing_utils.py``)."""
     g = torch.Generator().manual_seed(1)
     v = torch.randint(0, 16, (5, 24), generator=g, dtype=torch.uint8)
     p = awq.pack_int4(v)
@@ -120,7 +124,8 @@ def test_weight_mean_matches_definition():
 
 def test_best_clip_equals_loop_version():
     """The batched search picks, per (row, group), the candidate a direct loop over candidates,
-    rows and groups picks (spec §1.6), with the loop's own float32 partial sums."""
+    rows and groups picks (AutoAWQ 0.2.9 ``_compute_best_clip``), with the loop's own float32
+    partial sums."""
     out, cin, gs = 24, 256, 64
     w = _weights(out=out, cin=cin, seed=5)
     g = torch.Generator().manual_seed(6)

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from calibration import engine
-from cli import awq_pipeline as ap
-from cli import calib_pipeline as cp
-from convert import awq_dir
+import make
+from quantpress.calibration import engine
+from quantpress.convert import awq_dir
+from quantpress.targets import ComputeOptions
+from quantpress.targets.eval import EvalOptions, evaluate
 
 SAMPLES, SEQLEN = 4, 128  # 512 calibration tokens (CI time; the clipping search uses 512 anyway)
 EVAL_CHUNKS = 6
@@ -21,24 +22,24 @@ EVAL_CHUNKS = 6
 @pytest.fixture(scope="module")
 def smollm2_awq(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("smollm2_awq")
-    a = ap.quantize_awq(smollm2_dir, root / "awq-g64", group_size=64, samples=SAMPLES,
-                        seqlen=SEQLEN, device="cpu", progress=False)
-    r = ap.quantize_awq(smollm2_dir, root / "rtn-g64", group_size=64, rtn=True, device="cpu",
-                        progress=False)
+    a = make.awq(smollm2_dir, root / "awq-g64", group_size=64, samples=SAMPLES, seqlen=SEQLEN)
+    r = make.awq(smollm2_dir, root / "rtn-g64", group_size=64, rtn=True)
     return a, r
 
 
 def test_summary_and_layout(smollm2_awq, smollm2_dir):
     a, r = smollm2_awq
     for s in (a, r):
-        assert s.roundtrip.startswith("ok") and s.quantized == s.linears == 30 * 7
-        assert not s.not_converted
-        cfg = json.loads((s.out / "config.json").read_text())
+        d = s.details
+        assert s.roundtrip.startswith("ok") and d["linears_quantized"] == d["linears"] == 30 * 7
+        assert not d["modules_to_not_convert"]
+        cfg = json.loads((s.output / "config.json").read_text())
         assert cfg["quantization_config"]["group_size"] == 64 and cfg["tie_word_embeddings"] is True
         # tied embeddings: no lm_head tensor; 4-bit layers + FP16 embeddings ≈ 6.6 bits per weight
-        assert "lm_head.weight" not in awq_dir.AWQWeights(s.out).keys()
+        assert "lm_head.weight" not in awq_dir.AWQWeights(s.output).keys()
         assert 5.5 < s.bpw < 7.5
-    assert a.rows == SAMPLES and a.seqlen == SEQLEN and a.method == "awq"
+    assert a.details["calibration"] == {"rows": SAMPLES, "seqlen": SEQLEN}
+    assert a.details["method"] == "awq"
 
 
 def test_transformers_gptqmodel_loads_and_agrees(smollm2_awq):
@@ -48,13 +49,13 @@ def test_transformers_gptqmodel_loads_and_agrees(smollm2_awq):
     from transformers import AutoModelForCausalLM
 
     a, _ = smollm2_awq
-    model = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(a.output, dtype=torch.float32, device_map="cpu")
     qlin = model.model.layers[0].self_attn.q_proj
     assert "Awq" in type(qlin).__name__, type(qlin)
     ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model(ids).logits
-    sm = awq_dir.streaming_model(a.out, dtype=torch.float32)
+    sm = awq_dir.streaming_model(a.output, dtype=torch.float32)
     ours = sm.final_logits(engine.run(sm, ids, progress=False))
     diff = float((theirs - ours).abs().max())
     assert diff < 1e-3, diff
@@ -64,8 +65,8 @@ def test_transformers_gptqmodel_loads_and_agrees(smollm2_awq):
 def test_awq_beats_round_to_nearest(smollm2_awq, smollm2_dir):
     """Held-out perplexity and KL divergence from the FP16 model: AWQ below RTN."""
     a, r = smollm2_awq
-    res = cp.evaluate(smollm2_dir, [a.out, r.out], ctx=512, chunks=EVAL_CHUNKS, device="cpu",
-                      progress=False)
+    res = evaluate(smollm2_dir, [a.output, r.output], EvalOptions(ctx=512, chunks=EVAL_CHUNKS),
+                   ComputeOptions(device="cpu"), progress=False)
     base, awq, rtn = res.models
     assert awq.ppl["ppl"] < rtn.ppl["ppl"], (base.ppl, awq.ppl, rtn.ppl)
     assert awq.kl["kld_mean"] < rtn.kl["kld_mean"], (awq.kl, rtn.kl)

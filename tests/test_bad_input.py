@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cli.convert_main import main as convert_main
+from quantpress.cli.convert_main import main as convert_main
 
 EXIT_BAD_INPUT = 2
 
@@ -159,7 +159,7 @@ def test_output_dir_missing(tmp_path, capsys, model):
 
 
 def test_roundtrip_mismatch_fails_command_and_leaves_nothing(tmp_path, capsys, model, monkeypatch):
-    from convert import gguf_file
+    from quantpress.convert import gguf_file
 
     real = gguf_file.ggml.dequantize
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import assets
+from quantpress import assets
 import synth
-from calibration import data, engine, stats
-from quantize.errors import InputError
+from quantpress.calibration import data, engine, stats
+from quantpress.errors import InputError
 
 ARCHS = ("llama", "qwen2", "qwen3")
 ROWS, SEQLEN = 3, 40
@@ -365,7 +365,7 @@ def test_tokenizer_without_special_tokens(smollm2_dir, tiny, tmp_path):
     a BOS it does not define is refused, naming the model."""
     from transformers import AutoTokenizer
 
-    from cli import calib_pipeline as cp
+    from quantpress.targets import CalibOptions, calibration_rows
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     docs = ["Hello world.", "Short text."]
@@ -387,11 +387,11 @@ def test_tokenizer_without_special_tokens(smollm2_dir, tiny, tmp_path):
     cfg.update(bos_token=None, eos_token=None, add_bos_token=True)
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match=r"nobos: the tokenizer adds a BOS token \(add_bos_token\) but defines none"):
-        cp.calibration_rows(model, samples=2, seqlen=16, progress=False)
+        calibration_rows(model, CalibOptions(samples=2, seqlen=16), progress=False)
     cfg.update(add_bos_token=False)
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match=r"nobos: the tokenizer has no EOS or BOS token to separate"):
-        cp.calibration_rows(model, samples=2, seqlen=16, progress=False)
+        calibration_rows(model, CalibOptions(samples=2, seqlen=16), progress=False)
 
 
 def test_dataset_folder_and_name(tmp_path, monkeypatch):
@@ -418,9 +418,9 @@ def test_dataset_folder_and_name(tmp_path, monkeypatch):
 def test_bound_heap_returns_freed_tensors():
     """After bound_heap(), a freed multi-MiB tensor leaves the process (glibc would otherwise
     raise its mmap threshold at the first free and keep the next ones on the heap)."""
-    from cli import calib_pipeline as cp
+    from quantpress.runtime import bound_heap
 
-    if not cp.bound_heap():
+    if not bound_heap():
         pytest.skip("not glibc: mallopt unavailable")
 
     def anon():

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import assets
+from quantpress import assets
 import llamacpp_tools
+import make
 import synth
-from calibration import data
-from calibration import eval as ceval
-from cli import calib_pipeline as cp
-from cli.quantize_main import main as quantize_main
-from convert import gguf_arch, gguf_load
-from quantize.errors import InputError
+from quantpress.calibration import data
+from quantpress.calibration import eval as ceval
+from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.convert import gguf_arch, gguf_load
+from quantpress.errors import InputError
 
 CTX, CHUNKS = 512, 3
 
@@ -124,7 +124,7 @@ def test_tensor_names_invert(smollm2_dir, synth_qwen3_dir, synth_qwen2_dir):
 def test_llamacpp_f16_gguf_loads_as_the_checkpoint(smollm2_dir):
     """llama.cpp's own F16 conversion of SmolLM2, read back: every tensor equals the FP16
     checkpoint bit for bit (names, un-permuted Q/K, shapes), and the rebuilt config matches."""
-    from calibration.engine import SafetensorsDir
+    from quantpress.calibration.engine import SafetensorsDir
 
     from gguf import GGUFReader
 
@@ -140,7 +140,7 @@ def test_llamacpp_f16_gguf_loads_as_the_checkpoint(smollm2_dir):
         else:
             assert v == pytest.approx(f.contents()) if isinstance(v, float) else v == f.contents(), k
     assert [(t.name, int(t.data_offset), int(t.n_bytes)) for t in r.tensors] == \
-        [(w.gguf_names[n], w._tensors[n].offset, w._tensors[n].n_bytes) for n in w.keys()]
+        [(w.gguf_names[n], w.info(n).offset, w.info(n).n_bytes) for n in w.keys()]
     hf = SafetensorsDir(smollm2_dir)
     assert set(w.keys()) == set(hf.keys())
     for n in hf.keys():
@@ -161,8 +161,7 @@ def test_llamacpp_f16_gguf_loads_as_the_checkpoint(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def smollm2_eval(smollm2_dir, smollm2_q8, text_file):
-    return cp.evaluate(smollm2_dir, [smollm2_q8], text=text_file, ctx=CTX, chunks=CHUNKS,
-                       device="cpu", progress=False)
+    return make.evaluate(smollm2_dir, [smollm2_q8], text=text_file, ctx=CTX, chunks=CHUNKS)
 
 
 def test_fp16_perplexity_equals_transformers(smollm2_dir, text_file, smollm2_eval):
@@ -256,39 +255,39 @@ def test_eval_bad_input(smollm2_dir, tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("Hello world. " * 20)
     with pytest.raises(InputError, match=r"text too short: \d+ tokens, at least 1024 needed"):
-        cp.evaluate(smollm2_dir, [], text=short, progress=False)
+        make.evaluate(smollm2_dir, [], text=short, progress=False)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(InputError, match=r"empty\.txt: text file is empty"):
-        cp.evaluate(smollm2_dir, [], text=empty, progress=False)
+        make.evaluate(smollm2_dir, [], text=empty, progress=False)
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00abc" * 100)
     with pytest.raises(InputError, match=r"bin\.txt: not UTF-8 text"):
-        cp.evaluate(smollm2_dir, [], text=binary, progress=False)
+        make.evaluate(smollm2_dir, [], text=binary, progress=False)
     with pytest.raises(InputError, match=r"nope\.txt: text file not found"):
-        cp.evaluate(smollm2_dir, [], text=tmp_path / "nope.txt", progress=False)
+        make.evaluate(smollm2_dir, [], text=tmp_path / "nope.txt", progress=False)
     with pytest.raises(InputError, match=r"missing\.gguf: no such file or directory"):
-        cp.evaluate(smollm2_dir, [tmp_path / "missing.gguf"], text=short, progress=False)
+        make.evaluate(smollm2_dir, [tmp_path / "missing.gguf"], text=short, progress=False)
     gptq = tmp_path / "gptq"
     gptq.mkdir()
     (gptq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                   "quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(InputError, match=r"a 'gptq'-quantized directory; no loader for it yet"):
-        cp.evaluate(smollm2_dir, [gptq], text=short, progress=False)
+        make.evaluate(smollm2_dir, [gptq], text=short, progress=False)
     awq3 = tmp_path / "awq3"
     awq3.mkdir()
     (awq3 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "quantization_config": {
         "quant_method": "awq", "bits": 3, "group_size": 64, "zero_point": True, "version": "gemm"}}))
     with pytest.raises(InputError, match=r"awq3: quantization_config .* is not 4-bit GEMM"):
-        cp.evaluate(smollm2_dir, [awq3], text=short, progress=False)
+        make.evaluate(smollm2_dir, [awq3], text=short, progress=False)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\x00" * 10)
     with pytest.raises(InputError, match=r"junk\.gguf: not a readable GGUF file"):
-        cp.evaluate(smollm2_dir, [junk], text=short, progress=False)
+        make.evaluate(smollm2_dir, [junk], text=short, progress=False)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(llamacpp_tools.smollm2_gguf("f16").read_bytes()[:200_000])
     with pytest.raises(InputError, match=r"cut\.gguf: not a readable GGUF file \(truncated"):
-        cp.evaluate(smollm2_dir, [cut], text=short, progress=False)
+        make.evaluate(smollm2_dir, [cut], text=short, progress=False)
     # the CLI: one line, exit 2
     assert quantize_main(["eval", str(smollm2_dir), "--text", str(short), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -302,10 +301,10 @@ def test_eval_vocab_mismatch_and_nonfinite(smollm2_dir, tmp_path, text_file):
 
     small = synth.make_model(tmp_path / "v8k", "llama", smollm2_dir, num_hidden_layers=2, vocab_size=8192)
     with pytest.raises(InputError, match=r"v8k: vocabulary of 8192 tokens, the base model has 49152"):
-        cp.evaluate(smollm2_dir, [small], text=text_file, progress=False)
+        make.evaluate(smollm2_dir, [small], text=text_file, progress=False)
     bad = synth.make_model(tmp_path / "inf", "llama", smollm2_dir, num_hidden_layers=2)
     sd = load_file(str(bad / "model.safetensors"))
     sd["model.layers.1.post_attention_layernorm.weight"][0] = float("inf")
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InputError, match=r"decoder layer 1"):
-        cp.evaluate(bad, [], text=text_file, ctx=128, chunks=1, progress=False)
+        make.evaluate(bad, [], text=text_file, ctx=128, chunks=1, progress=False)

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import make
 import synth
-from calibration import exl2_alloc, exl2_measure
-from calibration.exl2_measurement import read_measurement, slot_keys
-from cli.quantize_main import main as quantize_main
-from quantize import exl2 as qexl2
+from quantpress.calibration import exl2_alloc, exl2_measure
+from quantpress.calibration.exl2_measurement import read_measurement, slot_keys
+from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.quantize import exl2 as qexl2
 
 CAL = ["--samples", "4", "--seqlen", "64", "--device", "cpu", "--quiet"]
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,8 +44,8 @@ def tok_dir(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from calibration import data as cdata
-    from cli import calib_pipeline as cp
+    from quantpress.calibration import data as cdata
+    from quantpress.targets.base import default_cal_dir
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -52,7 +53,7 @@ def tok_dir(tmp_path_factory) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(cdata.calibration_articles(cp.default_cal_dir())[:200], trainer)
+    tok.train_from_iterator(cdata.calibration_articles(default_cal_dir())[:200], trainer)
     d = tmp_path_factory.mktemp("exl2_tok")
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
                             eos_token="<|endoftext|>").save_pretrained(d)
@@ -145,8 +146,9 @@ def _q_modules(t: dict) -> list[str]:
 
 
 def _file_bits(t: dict, module: str) -> tuple[int, int]:
-    """(§3 cost in bits, K·N_pad) of one stored linear, from its tensors alone: group bit widths
-    and rows from q_groups and the packed-row offsets."""
+    """(cost in bits, as exllamav2 0.3.2 ``QParams.total_bits`` counts it; K·N_pad) of one
+    stored linear, from its tensors alone: group bit widths and rows from q_groups and the
+    packed-row offsets."""
     qg = t[module + ".q_groups"].to(torch.int64).view(-1, 2)
     n_words, n_pad = t[module + ".q_weight"].shape
     k = t[module + ".q_invperm"].numel()
@@ -165,7 +167,8 @@ def _file_bits(t: dict, module: str) -> tuple[int, int]:
 
 def test_measurement_file(measured, models):
     """--measure-only writes a measurement.json that validates against the model: 19 / 17
-    options per layer with the §3 costs of the model's shapes; more bits measure better."""
+    options per layer with the costs exllamav2 0.3.2's ``QParams.total_bits`` gives for the
+    model's shapes; more bits measure better."""
     shapes = _shapes(models["llama"])
     m = read_measurement(measured, expect_layers=2, expect_shapes=shapes)
     raw = json.loads(measured.read_text())
@@ -207,11 +210,11 @@ def test_mlp_accuracy_matches_an_independent_forward(measured, models):
     ‖y_q − y‖_F / ‖y‖_F."""
     from transformers import AutoModelForCausalLM
 
-    from cli import calib_pipeline as cp
-    from quantize.gptq import gptq_quantize
+    from quantpress.quantize.gptq import gptq_quantize
+    from quantpress.targets import CalibOptions, calibration_rows
 
     src = models["llama"]
-    rows, _ = cp.calibration_rows(src, samples=4, seqlen=64, progress=False)
+    rows, _ = calibration_rows(src, CalibOptions(samples=4, seqlen=64), progress=False)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     layer = model.model.layers[0]
     got = {}
@@ -253,12 +256,12 @@ def test_measurement_drives_several_targets(measured, models):
 
 def test_reuse_skips_measurement_and_roundtrip(outs):
     for bpw, (out, s) in outs.items():
-        assert s["measurement"].endswith("measurement.json") and s["stages"]["measurement"] == 0.0
+        d = s["details"]
+        assert d["measurement"].endswith("measurement.json") and "measurement" not in s["stages"]
         assert s["roundtrip"].startswith("ok (15 linears bit-identical")
-        assert bpw - 0.05 <= s["decoder_bpw"] <= bpw
-        assert set(s["stages"]) == {"calibration", "measurement", "allocation", "quantization",
-                                    "write", "verify"}
-        assert len(s["layers"]) == 2
+        assert bpw - 0.05 <= d["decoder_bpw"] <= bpw and s["kind"] == "exl2" and s["target"] == str(bpw)
+        assert list(s["stages"]) == ["tokenize", "allocation", "quantization", "head", "write", "verify"]
+        assert len(d["layers"]) == 2
         assert not list(out.parent.glob(".*"))
 
 
@@ -266,9 +269,9 @@ def test_roundtrip_digest_by_row_blocks(outs, monkeypatch):
     """The round trip reconstructs VERIFY_ROWS output rows at a time; its digest equals the
     whole reconstruction's, for blocks that split the head unevenly, and changes with a
     stored scale."""
-    from calibration.awq import tensor_digest
-    from cli import exl2_pipeline as xp
-    from convert.exl2_dir import EXL2Weights
+    from quantpress.calibration.awq import tensor_digest
+    from quantpress.convert.exl2_dir import EXL2Weights
+    from quantpress.targets import exl2 as xp
 
     out, _ = outs[3.0]
     w = EXL2Weights(out)
@@ -279,12 +282,12 @@ def test_roundtrip_digest_by_row_blocks(outs, monkeypatch):
     whole = tensor_digest(full)
     for rows in (32, 96, 4096):
         monkeypatch.setattr(xp, "VERIFY_ROWS", rows)
-        assert xp._reconstructed_digest("lm_head", t, tuple(full.shape)) == whole
+        assert xp.reconstructed_digest("lm_head", t, tuple(full.shape)) == whole
     t2 = dict(t)
     t2["q_scale_max"] = t["q_scale_max"].clone()
     t2["q_scale_max"][-1] *= 2
     monkeypatch.setattr(xp, "VERIFY_ROWS", 32)
-    assert xp._reconstructed_digest("lm_head", t2, tuple(full.shape)) != whole
+    assert xp.reconstructed_digest("lm_head", t2, tuple(full.shape)) != whole
     w.close()
 
 
@@ -320,7 +323,7 @@ def test_layout_config_and_kernel_constraints(outs, models):
                 b, n = _file_bits(t, m)
                 bits, numel = bits + b, numel + n
         # decoder bpw recomputed from the stored tensors = the summary's, within the target
-        assert bits == s["decoder_bits"] and numel == s["decoder_numel"]
+        assert bits == s["details"]["decoder_bits"] and numel == s["details"]["decoder_numel"]
         assert bpw - 0.05 <= bits / numel <= bpw
         rel_err[bpw] = max(errs)
         # FP16 tensors: embedding and norms, unchanged
@@ -366,16 +369,14 @@ def test_eval_loads_exl2_and_kl_rises_as_bpw_falls(outs, models, capsys):
 def test_tied_embeddings_separate_head(models, measured, tmp_path):
     """Tied embeddings: the FP16 embedding and a separate quantized lm_head; eval uses the
     quantized head."""
-    from cli.exl2_pipeline import quantize_exl2
-
     out = tmp_path / "tied"
-    s = quantize_exl2(models["tied"], out, bpw=4.0, head_bits=4, measurement=measured, samples=4,
-                      seqlen=64, device="cpu", progress=False, objective="max")
-    assert s.roundtrip.startswith("ok") and s.objective == "max"
+    s = make.exl2(models["tied"], out, bpw=4.0, head_bits=4, measurement=str(measured), objective="max")
+    d = s.details
+    assert s.roundtrip.startswith("ok") and d["objective"] == "max"
     # the minimax allocation: no other choice within the budget has a smaller max error
     m = read_measurement(measured)
-    ref = exl2_alloc.allocate(m.slots(), int(s.decoder_numel * 4.0))
-    assert s.err_max <= ref.err_max and s.decoder_bits <= int(s.decoder_numel * 4.0)
+    ref = exl2_alloc.allocate(m.slots(), int(d["decoder_numel"] * 4.0))
+    assert d["err_max"] <= ref.err_max and d["decoder_bits"] <= int(d["decoder_numel"] * 4.0)
     t = _tensors(out)
     src = _tensors(models["tied"])
     assert "lm_head.weight" not in src and "lm_head.weight" not in t
@@ -383,7 +384,7 @@ def test_tied_embeddings_separate_head(models, measured, tmp_path):
     assert t["lm_head.q_weight"].dtype == torch.int32
     # head bits 4: 6/4 (.15/.85) g32 -> groups at 6 then 4 bits
     assert set(t["lm_head.q_groups"].view(-1, 2)[:, 0].tolist()) == {6, 4}
-    from convert import exl2_dir
+    from quantpress.convert import exl2_dir
 
     sm = exl2_dir.streaming_model(out)
     _, head = sm.head()
@@ -399,18 +400,19 @@ def test_full_run_qwen2_biases(models, tmp_path, capsys):
     out = tmp_path / "q"
     assert quantize_main(["exl2", str(models["qwen2"]), "--bpw", "5.0", "-o", str(out), "--json"] + CAL) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["measurement"] == "measured" and s["stages"]["measurement"] > 0
-    assert s["roundtrip"].startswith("ok (8 linears") and 4.95 <= s["decoder_bpw"] <= 5.0
+    assert s["details"]["measurement"] == "measured" and s["stages"]["measurement"] > 0
+    assert s["roundtrip"].startswith("ok (8 linears") and 4.95 <= s["details"]["decoder_bpw"] <= 5.0
+    assert "measurement.json" in s["files"] and "output.safetensors" in s["files"]
     t = _tensors(out)
     src = _tensors(models["qwen2"])
     for n in ("q_proj", "k_proj", "v_proj"):
         k = f"model.layers.0.self_attn.{n}.bias"
         assert t[k].dtype == torch.float16 and torch.equal(t[k], src[k])
     bits = sum(_file_bits(t, m)[0] for m in _q_modules(t) if m.startswith("model.layers."))
-    assert bits == s["decoder_bits"]
+    assert bits == s["details"]["decoder_bits"]
     assert "lm_head.q_weight" in t and "model.embed_tokens.weight" in t
     # the measurement made is kept with the model, valid, and drives a second target alone
-    from calibration import exl2_measurement as mfile
+    from quantpress.calibration import exl2_measurement as mfile
 
     m = json.loads((out / "measurement.json").read_text())
     assert m["last_module_idx"] == 4 and len(m["measurement"]) == 4  # 1 layer: attn, mlp, norm, head
@@ -419,7 +421,7 @@ def test_full_run_qwen2_biases(models, tmp_path, capsys):
     assert quantize_main(["exl2", str(models["qwen2"]), "--bpw", "4.0", "-o", str(out2), "--json",
                           "--measurement", str(out / "measurement.json")] + CAL) == 0
     s2 = json.loads(capsys.readouterr().out)
-    assert s2["stages"]["measurement"] == 0 and 3.95 <= s2["decoder_bpw"] <= 4.0
+    assert "measurement" not in s2["stages"] and 3.95 <= s2["details"]["decoder_bpw"] <= 4.0
     assert not (out2 / "measurement.json").exists()
 
 

@@ -1,10 +1,11 @@
 """EXL2 measurement.json (calibration/exl2_measurement.py) and bpw allocation
 (calibration/exl2_alloc.py).
 
-References: the option tables and their bpw for Llama-3-8B shapes are the spec's §3 tables
-(= exllamav2 0.3.2 ``conversion/qparams.py``); the per-linear cost is re-implemented here from
-the spec's formula; optimal allocations come from ``scipy.optimize.milp`` (HiGHS) and, for tiny
-instances, exhaustive enumeration.
+References: the option tables are exllamav2 0.3.2's ``qparams_attn`` / ``qparams_mlp``
+(``conversion/qparams.py``), with the bits per weight its ``QParams.total_bits`` gives for
+Llama-3-8B shapes; the per-linear cost is re-implemented here from ``QParams.total_bits``;
+optimal allocations come from ``scipy.optimize.milp`` (HiGHS) and, for tiny instances,
+exhaustive enumeration.
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ import numpy as np
 import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from calibration.exl2_alloc import (OBJECTIVE_MODES, allocate, budget_bits, content_slots,
+from quantpress.calibration.exl2_alloc import (OBJECTIVE_MODES, allocate, budget_bits, content_slots,
                                     decoder_numel, reachable_bits, reachable_bpw)
-from calibration.exl2_measurement import (QSetting, module_cost_fn, read_measurement,
+from quantpress.calibration.exl2_measurement import (QSetting, module_cost_fn, read_measurement,
                                           slot_keys, validate_schema, write_measurement)
-from quantize.errors import InputError
+from quantpress.errors import InputError
 
 # --------------------------------------------------------------------------------------------
-# Option tables, spec §3 notation: "4/3 (.1/.9) g128" = 10% of the rows at 4 bits, 90% at 3,
-# group 128; "g32/64/64" = group size per bit width.
+# Option tables of exllamav2 0.3.2 `conversion/qparams.py`, noted "4/3 (.1/.9) g128" = 10% of
+# the rows at 4 bits, 90% at 3, group 128; "g32/64/64" = group size per bit width.
 
 ATTN = [  # (q = k = o, v[, o])
     ("3/2 (.05/.95) g64", "3/2 (.05/.95) g64"),
@@ -68,7 +69,8 @@ MLP = [  # (gate, up, down)
     ("8/6 (.1/.9) g128", "8/6 (.1/.9) g128", "8 g128"),
     ("8 g128", "8 g128", "8 g128"),
 ]
-# spec §3: bpw of every option for Llama-3-8B shapes (hidden 4096, kv 1024, ffn 14336)
+# bits per weight of every option, as exllamav2 0.3.2's `QParams.total_bits` gives them for
+# Llama-3-8B shapes (hidden 4096, kv 1024, ffn 14336)
 LLAMA3_ATTN_BPW = [2.138, 2.199, 2.283, 2.677, 3.169, 3.170, 4.044, 4.047, 4.082, 4.138, 4.170,
                    4.190, 4.274, 4.329, 5.256, 5.329, 6.044, 6.338, 8.044]
 LLAMA3_MLP_BPW = [2.245, 2.323, 2.596, 2.912, 3.283, 3.366, 3.619, 4.137, 4.198, 4.266, 4.348,
@@ -113,8 +115,9 @@ SMOL_LAYERS = 30
 
 
 def ref_linear_bits(st: dict, k: int, n: int, bias: bool = False) -> int:
-    """Spec §3, written independently: rows per bit width, then weights + 16·G + 32·G + 4·G·N
-    + 32·K (+ 16·N), N padded to 32."""
+    """exllamav2 0.3.2 ``QParams.total_bits`` (``conversion/qparams.py``), written
+    independently: rows per bit width, then weights + 16·G + 32·G + 4·G·N + 32·K (+ 16·N),
+    N padded to 32."""
     n = n + (-n % 32)
     gsz = {int(b): g for b, g in st["group_size"].items()}
     rem, left, groups, total = k, k, 0, 0
@@ -144,7 +147,8 @@ MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 def make_measurement(seed: int, n_layers: int = SMOL_LAYERS, shp: dict = SMOL) -> dict:
     """A plausible measurement: err = a_s · 2^(−1.1·bpw) · lognormal noise per option (so
-    cost and err are not monotone in the option index), total_bits from the spec's formula."""
+    cost and err are not monotone in the option index), total_bits from the formula of
+    exllamav2 0.3.2's ``QParams.total_bits``."""
     rng = np.random.default_rng(seed)
     meas = {}
     for i in range(n_layers):
@@ -237,7 +241,7 @@ def cost_err(slots, choice):
 
 
 def test_option_costs_match_spec_tables():
-    # independent formula vs the spec's Llama-3-8B bpw columns
+    # independent formula vs the Llama-3-8B bpw of exllamav2 0.3.2's `QParams.total_bits`
     na, nm = numel_of(LLAMA3, ATTN_NAMES), numel_of(LLAMA3, MLP_NAMES)
     assert [round(option_bits(o, LLAMA3) / na, 3) for o in attn_options()] == LLAMA3_ATTN_BPW
     assert [round(option_bits(o, LLAMA3) / nm, 3) for o in mlp_options()] == LLAMA3_MLP_BPW
@@ -248,7 +252,7 @@ def test_option_costs_match_spec_tables():
             assert q.to_json() == st
             for k, n, bias in ((576, 192, False), (1536, 576, True), (4096, 100, True)):
                 assert q.total_bits(k, n, bias) == ref_linear_bits(st, k, n, bias)
-    # spec: SmolLM2 shapes cost 2.26–8.12 (attn) and 2.32–8.07 (mlp), not monotone in index
+    # SmolLM2 shapes cost 2.26–8.12 (attn) and 2.32–8.07 (mlp), not monotone in index
     cost = module_cost_fn(SMOL)
     sa = [cost(o, "model.layers.0.self_attn") / numel_of(SMOL, ATTN_NAMES) for o in attn_options()]
     sm = [cost(o, "model.layers.0.mlp") / numel_of(SMOL, MLP_NAMES) for o in mlp_options()]
@@ -308,7 +312,8 @@ def test_roundtrip(tmp_path):
 
 
 def test_reads_exllamav2_text():
-    """The layout exllamav2 writes (json.dumps(indent=4), the spec §2 option) is accepted."""
+    """The layout exllamav2 0.3.2 ``measure_quant`` writes (json.dumps(indent=4), options
+    shaped as in its measurement.json) is accepted."""
     q = {"group_size": {"3": 64, "2": 64}, "bits": [3, 2], "bits_prop": [0.05, 0.95],
          "scale_bits": 4}
     attn = {"accuracy": 0.99871, "total_bits": 123456789, "q_proj": q, "k_proj": q,
@@ -643,7 +648,7 @@ def test_content_share_excludes_sink_tokens():
     its norm exceeds 4x the row's median token norm; checked against a per-row loop."""
     import torch
 
-    from calibration.exl2_measure import OUTLIER_TOKEN_FACTOR, content_share, module_accuracy
+    from quantpress.calibration.exl2_measure import OUTLIER_TOKEN_FACTOR, content_share, module_accuracy
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3, 40, 16, generator=g)
@@ -709,8 +714,8 @@ def test_content_probe_matches_a_transformers_forward(tiny_llama_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from calibration import engine
-    from calibration.exl2_measure import ContentProbe, content_share
+    from quantpress.calibration import engine
+    from quantpress.calibration.exl2_measure import ContentProbe, content_share
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     sink = 7
@@ -739,8 +744,8 @@ def test_content_probe_matches_a_transformers_forward(tiny_llama_dir, tmp_path):
         h.remove()
     assert len(probe.results) == 2 * len(model.model.layers)
     # the measurement pass records the same shares (one option per module keeps it fast)
-    from calibration.exl2_measure import Measurer
-    from quantize import exl2 as qexl2
+    from quantpress.calibration.exl2_measure import Measurer
+    from quantpress.quantize import exl2 as qexl2
 
     m = Measurer(int(tokens.shape[0]), attn_opts=qexl2.attn_options()[:1],
                  mlp_opts=qexl2.mlp_options()[:1])

@@ -1,7 +1,8 @@
-"""EXL2 codec (quantize/exl2.py, quantize/gptq.py) against exllamav2 0.3.2 and specs/exl2.md.
+"""EXL2 codec (quantize/exl2.py, quantize/gptq.py) against exllamav2 0.3.2.
 
 * option tables and bit costs: exllamav2's own ``conversion/qparams.py``, loaded from the
-  0.3.2 wheel by file (the package ``__init__`` JIT-builds CUDA); the spec's bpw columns;
+  0.3.2 wheel by file (the package ``__init__`` JIT-builds CUDA); the bits per weight its
+  ``QParams.total_bits`` gives for Llama-3-8B shapes;
 * packing: bitstreams and scale nibbles rebuilt here with Python integers;
 * reconstruction: equals the quantizer's fake-quant weights bit for bit for every option;
 * the kernel-constraint checker; GPTQ vs round-to-nearest; act-order; the scale search.
@@ -15,10 +16,10 @@ import zipfile
 import pytest
 import torch
 
-import assets
-from quantize import exl2
-from quantize.exl2 import QParams
-from quantize.gptq import find_params, gptq_quantize, hessian_inverse_factor
+from quantpress import assets
+from quantpress.quantize import exl2
+from quantpress.quantize.exl2 import QParams
+from quantpress.quantize.gptq import find_params, gptq_quantize, hessian_inverse_factor
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -30,7 +31,8 @@ LLAMA3_8B_MLP = {"gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_pro
 SMOL_ATTN = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576)}
 SMOL_MLP = {"gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
 
-# specs/exl2.md §3, bpw columns (Llama-3-8B shapes; head on 4096 x 128256)
+# bits per weight exllamav2 0.3.2's `QParams.total_bits` gives for Llama-3-8B shapes
+# (`qparams_attn`, `qparams_mlp`; `qparams_headoptions` on a 4096 x 128256 head)
 SPEC_ATTN_BPW = [2.138, 2.199, 2.283, 2.677, 3.169, 3.170, 4.044, 4.047, 4.082, 4.138, 4.170, 4.190,
                  4.274, 4.329, 5.256, 5.329, 6.044, 6.338, 8.044]
 SPEC_MLP_BPW = [2.245, 2.323, 2.596, 2.912, 3.283, 3.366, 3.619, 4.137, 4.198, 4.266, 4.348, 5.249,
@@ -45,14 +47,11 @@ SPEC_HEAD_BPW = {2: 2.73, 3: 3.28, 4: 4.44, 5: 5.19, 6: 6.34, 8: 8.03}
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     """exllamav2 0.3.2 ``conversion/qparams.py`` imported as a lone module (it needs only
-    ``math``), or None when the wheel is not available."""
+    ``math``), from the wheel the default calibration text also comes from."""
     dl = assets.cache_root() / "dl"
     wheels = sorted(dl.glob("exllamav2-0.3.2-*.whl")) if dl.exists() else []
     if not wheels:
-        try:
-            wheels = [assets._pip_download(assets.EXLLAMAV2_WHEEL, dl)]
-        except Exception:  # offline and not cached
-            return None
+        wheels = [assets.pip_download(assets.EXLLAMAV2_WHEEL, dl)]
     src = tmp_path_factory.mktemp("exllamav2_ref") / "qparams.py"
     with zipfile.ZipFile(wheels[0]) as z:
         src.write_bytes(z.read("exllamav2/conversion/qparams.py"))
@@ -70,8 +69,6 @@ def _same(ours: QParams, theirs) -> bool:
 
 
 def test_option_tables_equal_upstream(upstream):
-    if upstream is None:
-        pytest.skip("exllamav2 0.3.2 wheel not available (bpw checked against the spec instead)")
     ours_a, ours_m = exl2.attn_options(), exl2.mlp_options()
     assert len(ours_a) == len(upstream.qparams_attn) == 19
     assert len(ours_m) == len(upstream.qparams_mlp) == 17
@@ -104,8 +101,6 @@ COST_SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 
 
 
 def test_bits_cost_equals_upstream(upstream):
-    if upstream is None:
-        pytest.skip("exllamav2 0.3.2 wheel not available (bpw checked against the spec instead)")
     n = 0
     for qp in _all_qparams():
         theirs = upstream.QParams(dict(zip(qp.bits, qp.group_size)), list(qp.bits), list(qp.bits_prop),
@@ -137,7 +132,7 @@ def test_bpw_columns_of_the_spec():
     for b, want in SPEC_HEAD_BPW.items():
         assert round(exl2.bpw(exl2.head_options(b), 4096, 128256), 2) == want
     assert round(exl2.bpw(exl2.head_options(6), 576, 49152), 2) == 6.48      # SmolLM2 head
-    # SmolLM2 ranges and the non-monotone pairs named in §3
+    # SmolLM2 ranges and the non-monotone pairs (attn 5 < 4, 11 < 10)
     a = [_module_bpw(o, SMOL_ATTN) for o in exl2.attn_options()]
     m = [_module_bpw(o, SMOL_MLP) for o in exl2.mlp_options()]
     assert (round(min(a), 2), round(max(a), 2)) == (2.26, 8.12)
@@ -157,7 +152,7 @@ def test_row_allocation_layout():
             gs = dict(zip(qp.bits, qp.group_size))
             assert all(g.rows == gs[g.bits] for g in groups[:-1])
             assert 0 < groups[-1].rows <= gs[groups[-1].bits]
-    # the allocation of §3 by hand: 6/3/2 (.05/.2/.75) g32/64/64 on K=576
+    # `QParams.total_bits`'s row allocation by hand: 6/3/2 (.05/.2/.75) g32/64/64 on K=576
     qp = exl2.mlp_options()[0]["down_proj"]
     n6 = math.ceil(576 * 0.05 / 32)                              # 1  -> rem 544
     n3 = math.ceil(min(576 * 0.2, 576 - 32 * n6) / 64)          # 2  -> rem 416
@@ -193,7 +188,8 @@ def test_qparams_validation_and_dicts():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bitstream and scale layout on hand-built codes (§6), decoded independently
+# Bitstream and scale layout on hand-built codes (exllamav2 0.3.2
+# `exllamav2_ext/cuda/pack_tensor.cu`), decoded independently
 # ---------------------------------------------------------------------------------------------
 
 def _hand_built(bits: int, K: int, N: int, gs: int, seed: int):
@@ -293,7 +289,7 @@ def _check_roundtrip(w: torch.Tensor, h: torch.Tensor | None, qp: QParams, **kw)
     assert tuple(t["q_scale"].shape) == (G, n_pad // 8) and tuple(t["q_scale_max"].shape) == (G,)
     assert t["q_invperm"].tolist() == torch.argsort(r.perm).tolist()
     if N % 32 == 0 and all(g.rows * g.bits % 32 == 0 for g in r.groups):
-        # the stored tensors' size in bits is the §3 cost
+        # the stored tensors' size in bits is the `QParams.total_bits` cost
         stored = sum(v.numel() * v.element_size() * 8 for v in t.values())
         assert stored == exl2.bits_cost(qp, K, N), str(qp)
     return r, rec
@@ -379,7 +375,7 @@ def test_roundtrip_odd_shapes_zero_and_tiny_weights():
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel constraints (§6)
+# Kernel constraints (exllamav2 0.3.2 `exllamav2_ext/cuda/q_matrix.cu`)
 # ---------------------------------------------------------------------------------------------
 
 def _packed(qp: QParams, K: int, N: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -518,7 +514,8 @@ def test_find_params_scale_search():
         cand = (want_qs / 16) ** 2 * smax
         z = 2 ** (bits - 1)
 
-        # E(p) in float64 for the 97 grid points, written here from the spec
+        # E(p) in float64 for the 97 grid points, written here from exllamav2 0.3.2's
+        # `AdaptiveQuantizer.find_params` / `quantize_err_kernel` (`cuda/quantize.cu`)
         grid = torch.tensor([0.70 * (1 - i / 96) + 1.20 * (i / 96) for i in range(97)], dtype=torch.float64)
         s = cand.double()[None, None, :] * grid[:, None, None]
         q = torch.clamp(torch.round(x.double()[None] / s), -z, z - 1)

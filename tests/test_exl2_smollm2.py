@@ -7,15 +7,20 @@ verdict alone: KL divergence from the FP16 model falls strictly as the target ri
 achieved decoder bpw lies in [target − 0.05, target], and at the GGUF's decoder bpw EXL2 has a
 lower KL divergence than the GGUF.
 
+The script's bookkeeping is checked against the files themselves: the GGUF's decoder bpw
+recomputed from ggml's block sizes, and every table row against the summaries and eval.json.
+
 Cost: the measurement (every option of every module, about 4 minutes here) is cached in the
-data cache under a key that covers every source file of calibration/, quantize/, convert/
-and configs/, the model's files and the calibration shape, so any code change measures again;
-the rest (5 quantizations, the GGUF, the evaluation of 7 models) takes about 5 minutes.
+data cache under a key that covers every file of the quantpress package (the CLI and the
+targets included), the torch and transformers versions, the device, the model's files and the
+calibration shape, so any change that could change it measures again; the rest
+(5 quantizations, the GGUF, the evaluation of 7 models) takes about 5 minutes.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,10 +28,15 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+import quantpress
+from quantpress import assets
 
-import assets  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = Path(quantpress.__file__).resolve().parent
+DEVICE = "cpu"
+#: the decoder-layer linear weights of a llama GGUF (what EXL2's bpw budgets)
+LINEARS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+           "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 
 ROWS, SEQLEN = 4, 128          # calibration (measurement and quantization)
 CHUNKS, CTX = 4, 256           # evaluation on the held-out split
@@ -34,12 +44,17 @@ TARGETS = (3.0, 4.0, 5.0, 6.0)
 
 
 def _key(model: Path) -> str:
-    h = hashlib.sha256(f"{ROWS}x{SEQLEN}".encode())
-    files = sorted(p for d in ("calibration", "quantize", "convert", "configs")
-                   for p in (REPO / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    """Everything the measurement depends on: the calibration shape, the device, the torch and
+    transformers versions, every file of the quantpress package and of the model."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256(f"{ROWS}x{SEQLEN} {DEVICE} torch {torch.__version__} transformers "
+                       f"{transformers.__version__}".encode())
+    files = sorted(p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     files += sorted(p for p in model.iterdir() if p.is_file())
     for p in files:
-        h.update(p.name.encode())
+        h.update(str(p.relative_to(p.parent.parent)).encode())
         h.update(hashlib.sha256(p.read_bytes()).digest())
     return h.hexdigest()[:20]
 
@@ -50,9 +65,9 @@ def measurement(smollm2_dir) -> Path:
     path = assets.cache_root() / "exl2-measurements" / f"smollm2-{ROWS}x{SEQLEN}-{_key(smollm2_dir)}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run([sys.executable, "-m", "cli.quantize_main", "exl2", str(smollm2_dir),
+        p = subprocess.run([sys.executable, "-m", "quantpress", "exl2", str(smollm2_dir),
                             "--measure-only", str(path), "--samples", str(ROWS), "--seqlen",
-                            str(SEQLEN), "--device", "cpu", "--quiet"],
+                            str(SEQLEN), "--device", DEVICE, "--quiet"],
                            cwd=REPO, capture_output=True, text=True, timeout=1800)
         assert p.returncode == 0, p.stderr[-3000:]
     return path
@@ -64,7 +79,8 @@ def quality(measurement, smollm2_dir, tmp_path_factory):
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "exl2_quality.py"), "--model",
                         str(smollm2_dir), "--measurement", str(measurement), "--targets",
                         ",".join(map(str, TARGETS)), "--samples", str(ROWS), "--seqlen",
-                        str(SEQLEN), "--chunks", str(CHUNKS), "--ctx", str(CTX), "--out", str(out)],
+                        str(SEQLEN), "--chunks", str(CHUNKS), "--ctx", str(CTX), "--out", str(out),
+                        "--device", DEVICE],
                        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=2400)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     ev = json.loads((out / "eval.json").read_text())
@@ -72,23 +88,58 @@ def quality(measurement, smollm2_dir, tmp_path_factory):
     summaries = {}
     for f in out.glob("exl2-*.summary.json"):
         s = json.loads(f.read_text())
-        summaries[float(s["target_bpw"])] = (str(out / f.name.removesuffix(".summary.json")), s)
+        summaries[float(s["details"]["target_bpw"])] = (str(out / f.name.removesuffix(".summary.json")), s)
     gguf = next(out.glob("*.gguf"))
-    return p, kld, summaries, gguf
+    return p, kld, summaries, gguf, ev, out
 
 
 def test_kl_divergence_falls_as_bpw_rises(quality):
-    p, kld, summaries, _ = quality
+    p, kld, summaries, *_ = quality
     assert set(TARGETS) <= set(summaries)
     ks = [kld[summaries[t][0]] for t in TARGETS]
     assert all(b < a for a, b in zip(ks, ks[1:])), ks
     for t, (_, s) in summaries.items():
-        assert t - 0.05 <= s["decoder_bpw"] <= t, (t, s["decoder_bpw"])
+        d = s["details"]
+        assert t - 0.05 <= d["decoder_bpw"] <= t, (t, d["decoder_bpw"])
         assert s["roundtrip"].startswith("ok (211 linears")
 
 
+def _gguf_decoder_bpw(path: Path) -> float:
+    """Decoder bpw of a GGUF from ggml's block sizes (not from the script's byte counts):
+    Σ numel / block_size · type_size · 8 over the decoder layers' linear weights / Σ numel."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    bits = numel = 0
+    for t in GGUFReader(str(path)).tensors:
+        parts = t.name.split(".", 2)
+        if parts[0] == "blk" and parts[2] in LINEARS:
+            n = math.prod(int(d) for d in t.shape)
+            block, size = GGML_QUANT_SIZES[t.tensor_type]
+            bits += n // block * size * 8
+            numel += n
+    return bits / numel
+
+
+def test_table_matches_files_summaries_and_evaluation(quality):
+    """Every row of the script's table: the summaries' decoder and file bpw, eval.json's PPL and
+    KLD; the GGUF row's decoder bpw as ggml's block sizes give it."""
+    p, kld, summaries, gguf, ev, out = quality
+    table = (out / "table.md").read_text()
+    assert table in p.stdout
+    by_path = {m["path"]: m for m in ev["models"]}
+    for t, (path, s) in summaries.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| EXL2 | content | {t:g} |"))
+        m = by_path[path]
+        assert (f"| {s['details']['decoder_bpw']:.4f} | {s['bpw']:.3f} | {m['ppl']:.4f} | "
+                f"{m['kl']['kld_mean']:.5f} |") in row
+    g_bpw = _gguf_decoder_bpw(gguf)
+    grow = next(line for line in table.splitlines() if line.startswith("| GGUF Q4_K_M |"))
+    assert f"| {g_bpw:.4f} |" in grow and f"| {by_path[str(gguf)]['ppl']:.4f} |" in grow
+    assert math.floor(g_bpw * 1e4) / 1e4 in summaries
+
+
 def test_beats_q4_k_m_at_its_decoder_bpw(quality):
-    p, kld, summaries, gguf = quality
+    p, kld, summaries, gguf, *_ = quality
     extra = [t for t in summaries if t not in TARGETS]
     assert len(extra) == 1, summaries.keys()          # the GGUF's decoder bpw, floored
     t = extra[0]

@@ -16,14 +16,13 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 import ggml_ref
-import quantize.ggml as qg
-from quantize.ggml import common, kquants
+import quantpress.quantize.ggml as qg
+from quantpress.quantize.ggml import common, kquants
 
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 TYPES = LEGACY + KQUANTS
 
-needs_llamacpp = pytest.mark.skipif(not ggml_ref.available(), reason="llama_cpp (libggml-base) not installed")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -141,7 +140,6 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 # ----------------------------------------------------------------------------- quantize
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("kind", list(INPUTS))
 def test_quantize_matches_llamacpp(inputs, name, kind):
@@ -153,7 +151,6 @@ def test_quantize_matches_llamacpp(inputs, name, kind):
     assert bad.size == 0, f"{name}/{kind}: {bad.size} of {ref.size // qg.get(name).type_size} blocks differ, first {bad[:8]}"
 
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
     """make_qkx2_quants' and the requantization's C integer rounding path (used off-CPU)
@@ -163,7 +160,6 @@ def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
     assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
 
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", ["Q4_0", "Q3_K", "Q6_K"])
 def test_slicing_does_not_change_bytes(inputs, name, monkeypatch):
     """The CPU slicing into cache-sized pieces (including a ragged last slice) is invisible."""
@@ -179,9 +175,9 @@ def test_slicing_does_not_change_bytes(inputs, name, monkeypatch):
 @pytest.mark.parametrize("kind", ["fp16_rows", "edge_rows", "fuzz_rows"])
 def test_dequantize_matches_gguf_py(inputs, name, kind):
     """Our dequantize == gguf-py's numpy dequantize, bit for bit, on the same bytes
-    (llama.cpp's bytes when available, else ours)."""
+    (llama.cpp's bytes)."""
     x = inputs[kind]
-    raw = ggml_ref.ref_quantize(x, name) if ggml_ref.available() else _ours(x, name)
+    raw = ggml_ref.ref_quantize(x, name)
     ours = qg.dequantize(torch.from_numpy(raw), name).numpy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # overflow in huge rows is part of the format
@@ -189,7 +185,6 @@ def test_dequantize_matches_gguf_py(inputs, name, kind):
     assert _same_bits(ours, theirs.astype(np.float32))
 
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("kind", ["fp16_rows", "edge_rows", "fuzz_rows"])
 def test_dequantize_matches_llamacpp(inputs, name, kind):
@@ -199,7 +194,6 @@ def test_dequantize_matches_llamacpp(inputs, name, kind):
     assert _same_bits(ours, ggml_ref.ref_dequantize(raw, name))
 
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_arbitrary_bytes(name):
     """Random bytes (every bit pattern of scales and quants, NaN/inf fp16 scales included)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.gguf_pipeline import hf_to_gguf
+from make import gguf
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -18,7 +18,7 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def q4km(tmp_path_factory, smollm2_dir):
     out = tmp_path_factory.mktemp("q4km") / "smollm2-Q4_K_M.gguf"
-    hf_to_gguf(smollm2_dir, out, "Q4_K_M", progress=False)
+    gguf(smollm2_dir, out, "Q4_K_M")
     return out
 
 

@@ -42,10 +42,11 @@ import pytest
 import torch
 
 import synth
-from convert.gguf_arch import (SUPPORTED_ARCHITECTURES, UnknownTensorName, UnsupportedArchitecture,
+from quantpress.convert.gguf_arch import (UnknownTensorName, UnsupportedArchitecture,
                                count_parameters, generated_tensors, gguf_arch, gguf_tensor_name,
                                is_skipped_tensor, load_hf_config, model_metadata, transform_tensor)
-from convert.gguf_tokenizer import UnknownPreTokenizer, tokenizer_metadata
+from quantpress.convert.gguf_tokenizer import UnknownPreTokenizer, tokenizer_metadata
+from quantpress.errors import InputError
 
 # Written by GGUFWriter itself (not part of our metadata lists). Provenance keys that only the
 # reference's command-line options produce (--metadata override file, --remote repo id) do
@@ -397,7 +398,7 @@ def test_unknown_pretokenizer_hash_matches_reference(cases):
     cfg = case.config
     with pytest.raises(UnknownPreTokenizer) as exc:
         tokenizer_metadata(case.model_dir, cfg, gguf_arch(cfg))
-    assert isinstance(exc.value, NotImplementedError)
+    assert isinstance(exc.value, InputError)  # bad input: exit 2
     assert exc.value.chkhsh == m.group(1)
     assert m.group(1) in str(exc.value)
 
@@ -413,17 +414,11 @@ def test_unsupported_architecture_lists_supported():
     assert "GPT2LMHeadModel" in msg
     for hf in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert hf in msg
-    assert isinstance(exc.value, ValueError)
+    assert isinstance(exc.value, InputError)
     with pytest.raises(UnsupportedArchitecture, match="experts"):
         gguf_arch({"architectures": ["MistralForCausalLM"], "num_local_experts": 8})
     with pytest.raises(UnsupportedArchitecture, match="Qwen3ForCausalLM"):
         gguf_arch({})
-
-
-def test_supported_architectures_table():
-    assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-    assert gguf_arch({"architectures": ["Qwen3ForCausalLM"]}) == "qwen3"
 
 
 def test_missing_tokenizer_files_named(tmp_path, synth_llama_dir):
@@ -431,14 +426,14 @@ def test_missing_tokenizer_files_named(tmp_path, synth_llama_dir):
     d.mkdir()
     shutil.copy(synth_llama_dir / "config.json", d / "config.json")
     cfg = load_hf_config(d)
-    with pytest.raises(FileNotFoundError) as exc:
+    with pytest.raises(InputError) as exc:
         tokenizer_metadata(d, cfg, gguf_arch(cfg))
     msg = str(exc.value)
     assert str(d) in msg and "tokenizer.model" in msg and "tokenizer.json" in msg
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(InputError, match="config.json"):
         load_hf_config(tmp_path)
 
 
@@ -453,7 +448,7 @@ def test_tensor_name_errors():
         with pytest.raises(UnknownTensorName) as exc:
             gguf_tensor_name(bad, arch, **kw)
         assert bad in str(exc.value)
-        assert isinstance(exc.value, KeyError) and isinstance(exc.value, ValueError)
+        assert isinstance(exc.value, KeyError) and isinstance(exc.value, InputError)
     with pytest.raises(UnsupportedArchitecture):
         gguf_tensor_name("model.norm.weight", "gpt2")
     assert is_skipped_tensor("model.layers.0.self_attn.rotary_emb.inv_freq")

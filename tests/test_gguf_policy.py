@@ -32,7 +32,8 @@ import gguf
 import pytest
 
 import synth
-from convert.gguf_policy import (POLICIES, ModelParams, converter_type, default_type,
+from refs import gguf_header
+from quantpress.convert.gguf_policy import (POLICIES, ModelParams, converter_type, default_type,
                                  ftype_id, is_float_policy, is_quantizable, plan_types,
                                  tensor_order)
 
@@ -85,68 +86,9 @@ class GGUFInfo:
         return [(n, self.shapes[n]) for n in self.order]
 
 
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-           10: "<Q", 11: "<q", 12: "<d"}
-
-
-def _gguf_header(path: Path) -> tuple[dict, list[tuple[str, int, tuple[int, ...]]]]:
-    """Scalar/string KVs and (name, ggml type id, numpy-order shape) of every tensor, in file
-    order, parsed directly from the GGUF v3 header (§2 of the spec). gguf.GGUFReader builds
-    numpy views for each of the ~100k tokenizer strings (about 5 s per file); this skips
-    arrays instead. ``test_header_parser_agrees_with_gguf_reader`` checks it against
-    GGUFReader."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", m, 0)
-        assert magic == 0x46554747 and version == 3, (magic, version)
-        pos = 24
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", m, pos)
-            pos += 8 + n
-            return bytes(m[pos - n:pos]).decode("utf-8")
-
-        def skip_or_read(vtype: int):
-            nonlocal pos
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                etype, count = struct.unpack_from("<IQ", m, pos)
-                pos += 12
-                if etype == 8:
-                    for _ in range(count):
-                        (n,) = struct.unpack_from("<Q", m, pos)
-                        pos += 8 + n
-                elif etype == 9:
-                    for _ in range(count):
-                        skip_or_read(9)
-                else:
-                    pos += count * struct.calcsize(_SCALAR[etype])
-                return None
-            fmt = _SCALAR[vtype]
-            (v,) = struct.unpack_from(fmt, m, pos)
-            pos += struct.calcsize(fmt)
-            return v
-
-        kv = {}
-        for _ in range(n_kv):
-            key = string()
-            (vtype,) = struct.unpack_from("<I", m, pos)
-            pos += 4
-            kv[key] = skip_or_read(vtype)
-        tensors = []
-        for _ in range(n_tensors):
-            name = string()
-            (n_dims,) = struct.unpack_from("<I", m, pos)
-            ne = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
-            ttype, _offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            tensors.append((name, ttype, tuple(int(d) for d in reversed(ne))))
-    return kv, tensors
-
-
 def read_gguf(path: Path) -> GGUFInfo:
-    kv, tensors = _gguf_header(path)
+    kv, tensors = gguf_header(path)
+    tensors = [(n, t, shape) for n, t, shape, _ in tensors]
     order = [n for n, _, _ in tensors]
     types = {n: gguf.GGMLQuantizationType(t).name for n, t, _ in tensors}
     shapes = {n: shape for n, _, shape in tensors}
@@ -314,6 +256,18 @@ def test_header_parser_agrees_with_gguf_reader(refs, llama_cpp_mod, tmp_path):
                                       readers=(read_gguf_with_reader, read_gguf))
     assert out == out_fast
     assert len(set(out.types.values())) >= 5
+    # tensors_of (every test's byte comparison) reads what GGUFReader reads, in file order
+    import numpy as np
+
+    from refs import tensors_of
+
+    q = tmp_path / "q4km.gguf"
+    llama_quantize(refs.gguf_path("smollm2"), q, "Q4_K_M")
+    for path in (refs.gguf_path("smollm2"), q):
+        r = gguf.GGUFReader(str(path))
+        assert list(tensors_of(path).items()) == [
+            (t.name, (gguf.GGMLQuantizationType(t.tensor_type).name, tuple(int(d) for d in t.shape),
+                      np.asarray(t.data).tobytes())) for t in r.tensors], path
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -404,14 +358,14 @@ def test_counter_with_experts_reads_layer_from_name():
 
 
 def test_expressions_are_whitelisted():
-    from convert.gguf_policy import _Expr
+    from quantpress.convert.gguf_policy import PolicyExpr
 
     env = {"i": 5, "n": 30}
-    assert _Expr("(i - n/8) % 3 == 2")(env) is True
-    assert _Expr("-7/2")(env) == -3 and _Expr("-7 % 3")(env) == -1  # C semantics
+    assert PolicyExpr("(i - n/8) % 3 == 2")(env) is True
+    assert PolicyExpr("-7/2")(env) == -3 and PolicyExpr("-7 % 3")(env) == -1  # C semantics
     for bad in ("__import__('os')", "i.real", "x + 1", "[i for i in n]", "i ** 2", "blck"):
         with pytest.raises(ValueError):
-            _Expr(bad)
+            PolicyExpr(bad)
 
 
 def test_fallback_chain():

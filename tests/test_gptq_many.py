@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from quantize import exl2
-from quantize.exl2 import QParams
-from quantize.gptq import PERCDAMP, find_params, gptq_quantize, gptq_quantize_many
+from quantpress.quantize import exl2
+from quantpress.quantize.exl2 import QParams
+from quantpress.quantize.gptq import PERCDAMP, find_params, gptq_quantize, gptq_quantize_many
 
 #: (b): least share of codes equal to the reference's, and largest relative difference of the
 #: output error. float32 (ours) against float64 (reference) error accumulation moves W[c]/s by

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from cli.convert_main import main as convert_main
-from cli.gguf_pipeline import hf_to_gguf
-from convert.gguf_policy import POLICIES
+from quantpress.cli.convert_main import main as convert_main
+from quantpress.convert.gguf_policy import POLICIES
+from make import gguf
 from refs import kvs_of, ref_convert, ref_quantize, tensors_of
 
 QUANT_POLICIES = [p for p in POLICIES if p not in ("F32", "F16", "BF16")]
@@ -36,15 +36,15 @@ def assert_same_tensors(ours, ref):
 def test_policy_types_and_bytes_equal_llama_quantize(tmp_path, ref_f16, arch, policy):
     model_dir, f16 = ref_f16[arch]
     ref = tensors_of(ref_quantize(f16, tmp_path / "ref.gguf", policy))
-    s = hf_to_gguf(model_dir, tmp_path / "ours.gguf", policy, progress=False)
-    assert s.roundtrip.ok
+    s = gguf(model_dir, tmp_path / "ours.gguf", policy)
+    assert s.roundtrip.startswith("ok")
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), ref)
 
 
 def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir, llamacpp_src):
     ref_path = ref_convert(llamacpp_src, smollm2_dir, tmp_path / "ref.gguf")
-    s = hf_to_gguf(smollm2_dir, tmp_path / "ours.gguf", "F16", progress=False)
-    assert s.roundtrip.ok and len(s.types) == 272
+    s = gguf(smollm2_dir, tmp_path / "ours.gguf", "F16")
+    assert s.roundtrip.startswith("ok") and len(s.details["tensors"]) == 272
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), tensors_of(ref_path))
     ours, ref = kvs_of(tmp_path / "ours.gguf"), kvs_of(ref_path)
     ref_keys = [k for k in ref if k not in PROVENANCE]
@@ -58,7 +58,7 @@ def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir, llamacpp_s
 def test_smollm2_quantized_equals_llama_quantize(tmp_path, smollm2_dir, llamacpp_src, policy):
     f16 = ref_convert(llamacpp_src, smollm2_dir, tmp_path / "ref-f16.gguf")
     ref = tensors_of(ref_quantize(f16, tmp_path / "ref.gguf", policy))
-    hf_to_gguf(smollm2_dir, tmp_path / "ours.gguf", policy, progress=False)
+    gguf(smollm2_dir, tmp_path / "ours.gguf", policy)
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), ref)
 
 
@@ -73,7 +73,7 @@ def test_sharded_bf16_source(tmp_path, smollm2_dir, llamacpp_src):
         ref = ref_convert(llamacpp_src, src, tmp_path / f"ref-{outtype}.gguf", outtype)
         if policy != "BF16":
             ref = ref_quantize(ref, tmp_path / "ref-q.gguf", policy)
-        hf_to_gguf(src, tmp_path / f"ours-{policy}.gguf", policy, progress=False)
+        gguf(src, tmp_path / f"ours-{policy}.gguf", policy)
         assert_same_tensors(tensors_of(tmp_path / f"ours-{policy}.gguf"), tensors_of(ref))
 
 
@@ -82,10 +82,11 @@ def test_cli_summary_report_and_inspect(tmp_path, smollm2_dir, capsys):
     assert convert_main(["hf-to-gguf", str(smollm2_dir), "--policy", "Q8_0", "-o", str(out),
                          "--report", str(rep), "--quiet"]) == 0
     text = capsys.readouterr().out
-    assert "round trip OK" in text and "bits per weight" in text and "Q8_0 x" in text
+    assert "round trip ok" in text and "bits per weight" in text and "Q8_0 x" in text
     report = json.loads(rep.read_text())
-    assert report["roundtrip_ok"] and len(report["tensors"]) == 272
-    q8 = [t for t in report["tensors"] if t["type"] == "Q8_0"]
+    assert report["roundtrip"].startswith("ok") and len(report["details"]["tensors"]) == 272
+    assert report["files"] == {"m.gguf": out.stat().st_size}
+    q8 = [t for t in report["details"]["tensors"] if t["type"] == "Q8_0"]
     assert q8 and all(t["snr_db"] > 30 and t["rmse"] > 0 for t in q8)
     assert convert_main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out

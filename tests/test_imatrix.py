@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import assets
+from quantpress import assets
 import llamacpp_tools
+import make
 import synth
-from calibration import data
-from cli import calib_pipeline as cp
-from cli.quantize_main import main as quantize_main
-from convert.imatrix_file import Imatrix, imatrix_bytes, read_imatrix, write_imatrix
-from quantize.errors import InputError
+from quantpress.calibration import data
+from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.convert.imatrix_file import Imatrix, imatrix_bytes, read_imatrix, write_imatrix
+from quantpress.errors import InputError
+from quantpress.targets.imatrix import imatrix_from_rows
 from refs import tensors_of
 
 N_CTX, N_CHUNKS = 256, 4
@@ -56,8 +57,8 @@ def both(tmp_path_factory, smollm2_dir, f16_gguf, calib_text):
     ids = vocab.tokenize(calib_text.read_text(encoding="utf-8").encode(), add_bos=False, special=False)
     del vocab
     rows = torch.tensor(ids[: N_CTX * N_CHUNKS]).view(N_CHUNKS, N_CTX)  # SmolLM2: no BOS
-    entries = cp.imatrix_from_rows(smollm2_dir, rows, device="cpu", progress=False)
-    from convert.imatrix_file import from_stats
+    entries = imatrix_from_rows(make.source(smollm2_dir), rows, progress=False)
+    from quantpress.convert.imatrix_file import from_stats
     ours = d / "ours.imatrix.gguf"
     write_imatrix(ours, from_stats(entries, [str(calib_text)], N_CHUNKS, N_CTX))
     return ours, ref
@@ -84,14 +85,18 @@ def test_file_layout_is_llamacpps(both, calib_text):
 def test_values_agree_with_llama_imatrix(both):
     a, b = read_imatrix(both[0]), read_imatrix(both[1])
     assert set(a.sums) == set(b.sums)
-    corr = {}
+    corr, rel = {}, []
     for name in a.sums:
         assert a.counts[name].tolist() == b.counts[name].tolist() == [N_CHUNKS * N_CTX]
         x, y = a.sums[name].reshape(-1).astype(np.float64), b.sums[name].reshape(-1).astype(np.float64)
         corr[name] = float(np.corrcoef(x, y)[0, 1])
         assert np.allclose(x, y, rtol=1e-2, atol=1e-4 * y.max()), name
+        rel.append(np.median(np.abs(x - y) / np.maximum(np.abs(y), 1e-12)))
     worst = min(corr, key=corr.get)
-    assert corr[worst] > 0.99, (worst, corr[worst])
+    # measured: worst correlation 0.9999998, worst median relative difference 6e-4 (float32
+    # transformers against llama.cpp's F16 matmuls)
+    assert corr[worst] >= 0.9999, (worst, corr[worst])
+    assert max(rel) <= 2e-3, max(rel)
 
 
 def _quantize(src: Path, out: Path, imatrix: dict[str, np.ndarray] | None) -> None:
@@ -144,7 +149,8 @@ def test_cli_imatrix_default_and_calib(smollm2_dir, calib_text, tmp_path, capsys
             "--seqlen", "64", "--device", "cpu", "--quiet"]
     assert quantize_main(args + ["--json"]) == 0
     js = json.loads(capsys.readouterr().out)
-    assert js["entries"] == 210 and js["tokens"] == 192
+    assert js["kind"] == "imatrix" and js["details"]["entries"] == 210 and js["details"]["tokens"] == 192
+    assert js["roundtrip"].startswith("ok (210 entries") and js["files"] == {"im.gguf": out.stat().st_size}
     im = read_imatrix(out)
     assert im.datasets == [str(calib_text)] and (im.chunk_count, im.chunk_size) == (3, 64)
     assert all(c.tolist() == [192.0] for c in im.counts.values())
@@ -229,8 +235,8 @@ def test_gguf_model_gives_the_same_imatrix(smollm2_dir, f16_gguf):
     """A GGUF input goes through the same engine after dequantization: on llama.cpp's own F16
     conversion (exact fp16 weights, Q/K un-permuted) the statistics equal the HF directory's."""
     rows = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(3))
-    a = cp.imatrix_from_rows(smollm2_dir, rows, device="cpu", progress=False)
-    b = cp.imatrix_from_rows(f16_gguf, rows, device="cpu", progress=False)
+    a = imatrix_from_rows(make.source(smollm2_dir), rows, progress=False)
+    b = imatrix_from_rows(make.source(f16_gguf), rows, progress=False)
     assert a.keys() == b.keys() and len(a) == 210
     for name in a:
         assert a[name][1] == b[name][1] == 96

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from convert import shards
-from quantize.errors import InputError
+from quantpress.convert import shards
+from quantpress.errors import InputError
 
 
 def _mixed(seed=0):

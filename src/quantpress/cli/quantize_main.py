@@ -1,0 +1,147 @@
+"""``quantize``: quantization verbs.
+
+  quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf   (llama-quantize's job, verified)
+  quantize imatrix MODEL -o imatrix.gguf [--calib FILE] [--samples N --seqlen L]
+  quantize awq MODEL -o OUT_DIR [--group-size 128] [--rtn] [--no-clip]
+  quantize exl2 MODEL --bpw 4.25 -o OUT_DIR [--head-bits 6] [--measurement FILE | --measure-only FILE]
+  quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from quantpress.cli import common
+from quantpress.errors import InputError
+
+
+def _out_args(p: argparse.ArgumentParser, required: bool = True, help: str = "output path") -> None:
+    p.add_argument("-o", "--output", required=required, help=help)
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def add_verbs(sub) -> None:
+    """Add the ``quantize`` verbs to an argparse subparsers object."""
+    from quantpress.calibration.exl2_alloc import DEFAULT_OBJECTIVE, OBJECTIVE_MODES
+    from quantpress.convert.gguf_policy import POLICIES
+
+    g = sub.add_parser("gguf", help="requantize an F32/F16/BF16 GGUF with a llama.cpp policy")
+    g.add_argument("input", help="input .gguf (F32/F16/BF16 tensors)")
+    _out_args(g, help="output .gguf path")
+    g.add_argument("--policy", required=True, choices=POLICIES, help="llama.cpp ftype, e.g. Q4_K_M")
+    g.add_argument("--report", help="also write the summary with every tensor's round-trip figures as JSON")
+    common.verb_options(g, _gguf, dtype=False)
+
+    m = sub.add_parser("imatrix", help="llama.cpp importance matrix (GGUF imatrix file for "
+                                       "llama-quantize --imatrix)")
+    m.add_argument("model", help="Hugging Face model directory or GGUF file")
+    _out_args(m, help="output imatrix .gguf path")
+    common.verb_options(m, _imatrix, calib=True)
+
+    a = sub.add_parser("awq", help="AWQ (activation-aware) 4-bit quantization to an AutoAWQ "
+                                   "GEMM directory (vLLM, transformers)")
+    a.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    _out_args(a, help="output directory")
+    a.add_argument("--bits", type=int, default=4, help="weight bits (4: the GEMM layout)")
+    a.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale and zero point (default 128; 64 for widths like 576)")
+    a.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping search")
+    a.add_argument("--duo-scaling", dest="duo_scaling", action="store_true", default=True,
+                   help="s = x^r / w^(1-r) (default, AutoAWQ)")
+    a.add_argument("--no-duo-scaling", dest="duo_scaling", action="store_false",
+                   help="s = x^r (the original llm-awq grid)")
+    a.add_argument("--rtn", action="store_true",
+                   help="plain round-to-nearest (no calibration), same quantizer and packing: the baseline")
+    a.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    common.verb_options(a, _awq, calib=True)
+
+    x = sub.add_parser("exl2", help="EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a target "
+                                    "bits per weight")
+    x.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    _out_args(x, required=False, help="output directory (required unless --measure-only)")
+    x.add_argument("--bpw", type=float, help="target bits per weight of the decoder layers "
+                                             "(exllamav2 -b; required unless --measure-only)")
+    x.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2, 3, 4, 5, 6 or 8 (default 6)")
+    x.add_argument("--measurement", help="reuse this measurement.json (skips the measurement pass)")
+    x.add_argument("--measure-only", metavar="FILE", help="only measure; write measurement.json to FILE")
+    x.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=tuple(OBJECTIVE_MODES),
+                   help="bit allocation: minimize the sum of squared module errors relative to "
+                        "the norm of the non-sink tokens (content, default), the sum of "
+                        "exllamav2's module errors (sum) or their maximum (max, exllamav2's intent)")
+    x.add_argument("--max-shard-size", type=float, default=8192,
+                   help="MB per output file (exllamav2 -ss; default 8192, 0 = one file)")
+    common.verb_options(x, _exl2, calib=True)
+
+    e = sub.add_parser("eval", help="perplexity and KL divergence against the base model "
+                                    "(llama-perplexity conventions)")
+    e.add_argument("base", help="base model: Hugging Face directory or GGUF file")
+    e.add_argument("outputs", nargs="*", help="models to compare with the base (GGUF files, HF, "
+                                              "AWQ or EXL2 directories)")
+    e.add_argument("--text", help="UTF-8 text file (default: held-out split of exllamav2's wiki.utf8)")
+    e.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512; the second half is scored)")
+    e.add_argument("--chunks", type=int, help="evaluate only the first N chunks")
+    e.add_argument("--json", action="store_true", help="print the results as JSON")
+    common.verb_options(e, _eval)
+
+
+def _gguf(args) -> int:
+    from quantpress.targets import GGUFOptions
+
+    if not Path(args.input).is_file():
+        raise InputError(f"{args.input}: no such file (quantize gguf reads a .gguf file; "
+                         f"'convert hf-to-gguf' reads Hugging Face directories)")
+    return common.produce(args, GGUFOptions(args.policy), common.source(args, args.input, False),
+                          args.output, report=args.report)
+
+
+def _imatrix(args) -> int:
+    from quantpress.targets import ImatrixOptions
+
+    return common.produce(args, ImatrixOptions(), common.source(args, args.model), args.output)
+
+
+def _awq(args) -> int:
+    from quantpress.targets import AWQOptions
+
+    opts = AWQOptions(bits=args.bits, group_size=args.group_size, duo_scaling=args.duo_scaling,
+                      clip=args.clip, rtn=args.rtn, max_shard_size=args.max_shard_size)
+    return common.produce(args, opts, common.source(args, args.model), args.output)
+
+
+def _exl2(args) -> int:
+    from quantpress.targets import EXL2MeasurementOptions, EXL2Options
+
+    if args.measure_only is not None:
+        if args.measurement is not None:
+            raise InputError("--measure-only and --measurement exclude each other (one writes a "
+                             "measurement, the other reuses one)")
+        return common.produce(args, EXL2MeasurementOptions(), common.source(args, args.model),
+                              args.measure_only)
+    if args.output is None:
+        raise InputError("-o/--output is required (or --measure-only FILE)")
+    if args.bpw is None:
+        raise InputError("--bpw is required (or --measure-only FILE)")
+    opts = EXL2Options(bpw=args.bpw, head_bits=args.head_bits, measurement=args.measurement,
+                       objective=args.objective, max_shard_size=args.max_shard_size)
+    return common.produce(args, opts, common.source(args, args.model), args.output)
+
+
+def _eval(args) -> int:
+    from quantpress.targets.eval import EvalOptions, evaluate
+
+    r = evaluate(args.base, args.outputs, EvalOptions(args.text, args.ctx, args.chunks),
+                 common.compute_options(args), progress=not args.quiet)
+    print(json.dumps(r.to_json(), indent=1) if args.json else r.text_table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``quantize`` entry point; returns the exit code (0, 1, 2 or 3)."""
+    return common.main("quantize", "quantpress quantization", add_verbs, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

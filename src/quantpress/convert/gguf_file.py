@@ -1,0 +1,209 @@
+"""Streaming GGUF writing and round-trip verification, on gguf-py's GGUFWriter/GGUFReader.
+
+Tensors are described up front (name, shape, ggml type), then produced, quantized and
+written one at a time, so peak memory follows the largest tensor, not the model. The file
+goes to a temporary path next to the output and is renamed only after it has been re-read
+and verified.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import quants as gguf_quants
+
+from quantpress.quantize import ggml
+from quantpress.errors import InputError
+
+from .hf import check_finite
+
+
+@dataclass
+class SourceTensor:
+    """One output tensor before quantization.
+
+    ``name``: GGUF tensor name; ``shape``: torch order (last axis = ggml ne[0], the row);
+    ``load()``: returns the float tensor (any float dtype, CPU) with that shape.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor."""
+        return math.prod(self.shape)
+
+
+@dataclass
+class TensorReport:
+    """Round-trip figures of one tensor: dequantized file contents against the source."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    n_bytes: int
+    rmse: float
+    max_abs_err: float
+    snr_db: float  # 10 log10(Σx² / Σ(x−x̂)²); inf when exact
+
+    @property
+    def bpw(self) -> float:
+        """Bits per weight of the stored tensor (8 · bytes / elements)."""
+        return 8.0 * self.n_bytes / math.prod(self.shape)
+
+
+@dataclass
+class RoundTrip:
+    """Result of :func:`verify_gguf`: per-tensor reports and the mismatches found."""
+
+    tensors: list[TensorReport] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no mismatch was found."""
+        return not self.mismatches
+
+
+KV = tuple  # (key, value, GGUFValueType, sub_type or None)
+
+
+def encode(t: torch.Tensor, type_name: str, device: torch.device) -> np.ndarray:
+    """Quantize ``t`` [..., n] to ``type_name`` on ``device``; returns uint8 numpy
+    [rows, row_bytes] ready to be written (ggml block bytes, little-endian)."""
+    x = t.to(device)
+    raw = ggml.quantize(x.reshape(-1, x.shape[-1]), type_name)
+    return raw.cpu().numpy()
+
+
+def write_gguf(path: Path, arch: str, kvs: Iterable[KV], tensors: list[SourceTensor],
+               types: dict[str, str], device: torch.device,
+               progress: Callable[[Iterable], Iterable] = lambda it: it) -> None:
+    """Write a GGUF v3 file at ``path`` (no rename; callers use a temporary path).
+
+    ``kvs``: metadata after ``general.architecture`` (written by GGUFWriter), in order.
+    ``tensors`` in output order; ``types[name]`` the ggml type name of each. Each tensor is
+    loaded, checked for NaN/Inf (InputError naming it), quantized on ``device`` and written
+    before the next is loaded. Alignment 32, as llama.cpp.
+    """
+    w = GGUFWriter(str(path), arch)
+    for key, value, vtype, sub in kvs:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for st in tensors:
+        gt = ggml.get(types[st.name])
+        rb = gt.row_bytes(st.shape[-1])
+        # a uint8 byte shape: gguf-py turns it back into elements (ne) for the tensor info
+        w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
+                          math.prod(st.shape[:-1]) * rb, raw_dtype=GGMLQuantizationType[gt.name])
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for st in progress(tensors):
+            t = st.load()
+            if tuple(t.shape) != tuple(st.shape):
+                raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
+            check_finite(st.name, t)
+            w.write_tensor_data(encode(t, types[st.name], device).reshape(-1))
+            del t
+    finally:
+        w.close()
+
+
+def open_reader(path: str | Path) -> GGUFReader:
+    """gguf-py's ``GGUFReader`` of ``path``. Raises InputError naming the file when it is
+    missing or gguf-py cannot parse it (truncated, not GGUF)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf-py raises ValueError / struct errors on bad files
+        raise InputError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def reader_raw(rt) -> np.ndarray:
+    """The bytes of a GGUFReader tensor as uint8 [rows, row_bytes] (ne[0] is the row)."""
+    data = np.asarray(rt.data)
+    ne0 = int(rt.shape[0])
+    gt = ggml.get(GGMLQuantizationType(rt.tensor_type).name)
+    return data.view(np.uint8).reshape(-1, gt.row_bytes(ne0))
+
+
+# rows per verification chunk: bounds the float32 copies (gguf-py's, ours, the source's,
+# the error) to a few times this many elements, whatever the tensor size
+VERIFY_CHUNK_ELEMENTS = 1 << 22
+
+
+def _drop_pages(reader: GGUFReader, rt) -> None:
+    """Unmap the file pages of a verified tensor (they stay in the page cache), so that the
+    reader's memory map does not grow the process's RSS with the whole file."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = (int(rt.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = int(rt.data_offset) + int(rt.n_bytes) - start
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, length)
+    except (OSError, ValueError):
+        pass
+
+
+def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                device: torch.device,
+                progress: Callable[[Iterable], Iterable] = lambda it: it) -> RoundTrip:
+    """Re-read ``path`` with gguf-py's GGUFReader and check every tensor.
+
+    For each tensor: name, ggml type and shape must be as planned; gguf-py's independent
+    dequantizer (``gguf.quants.dequantize``) must equal ours (``quantize.ggml.dequantize``)
+    bit for bit; and the result is compared with the source tensor: RMSE, max |error| and
+    SNR in dB (10 log10 Σx²/Σ(x−x̂)², float32 sums). Works through each tensor in row chunks
+    of about VERIFY_CHUNK_ELEMENTS, so memory follows that, not the tensor or the file.
+    Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
+    """
+    rep = RoundTrip()
+    reader = GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    if len(by_name) != len(tensors):
+        rep.mismatches.append(f"file has {len(by_name)} tensors, expected {len(tensors)}")
+    for st in progress(tensors):
+        rt = by_name.get(st.name)
+        if rt is None:
+            rep.mismatches.append(f"{st.name}: missing from the file")
+            continue
+        tname = GGMLQuantizationType(rt.tensor_type).name
+        shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+        if tname != types[st.name] or shape != tuple(st.shape):
+            rep.mismatches.append(f"{st.name}: file has {tname}{shape}, expected {types[st.name]}{st.shape}")
+            continue
+        raw = reader_raw(rt)
+        src = st.load().reshape(raw.shape[0], -1)
+        step = max(1, VERIFY_CHUNK_ELEMENTS // src.shape[1])
+        neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
+        for r0 in range(0, raw.shape[0], step):
+            chunk = raw[r0:r0 + step]
+            ref = np.ascontiguousarray(gguf_quants.dequantize(chunk, GGMLQuantizationType[tname]),
+                                       dtype=np.float32).reshape(-1)
+            ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).cpu().reshape(-1)
+            neq += int((ref.view(np.int32) != ours.numpy().view(np.int32)).sum())
+            x = src[r0:r0 + step].to(torch.float32).reshape(-1)
+            e = ours - x
+            se += float(torch.dot(e, e))
+            sig += float(torch.dot(x, x))
+            lo, hi = torch.aminmax(e)
+            max_err = max(max_err, -float(lo), float(hi))
+        if neq:
+            rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
+        snr = math.inf if se == 0 else (10 * math.log10(sig / se) if sig > 0 else -math.inf)
+        rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes),
+                                        math.sqrt(se / max(1, st.numel)), max_err, snr))
+        _drop_pages(reader, rt)
+    return rep

@@ -1,0 +1,59 @@
+"""The part every quantized-directory reader shares (AWQ, EXL2): an index of the stored tensors
+under HF names, each quantized linear ``<m>`` appearing as ``<m>.weight`` and dequantized on
+demand by the subclass's :meth:`QuantizedWeights.dequantized`. This is the weights protocol of
+:class:`calibration.engine.StreamingModel` (``keys()``, ``in``, ``get(name, device, dtype)``)."""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from quantpress.errors import InputError
+
+
+class QuantizedWeights(abc.ABC):
+    """Base of :class:`convert.awq_dir.AWQWeights` and :class:`convert.exl2_dir.EXL2Weights`.
+
+    Subclasses set ``path`` and ``raw`` (a reader with ``keys()``, ``in`` and
+    ``get(name, device)``), call :meth:`_index` and implement :meth:`dequantized`."""
+
+    path = None
+    raw = None
+
+    def _index(self, marker: str, companions: tuple[str, ...]) -> None:
+        """Find the quantized linears (``<m>.<marker>``), check that each has its
+        ``<m>.<companion>`` tensors (InputError naming the first missing one) and build the
+        HF-name index (the quantized tensors hidden behind ``<m>.weight``)."""
+        names = set(self.raw.keys())
+        self.quantized = sorted(k[: -len(marker) - 1] for k in names if k.endswith("." + marker))
+        for m in self.quantized:
+            for c in companions:
+                if f"{m}.{c}" not in names:
+                    raise InputError(f"{self.path}: '{m}.{marker}' without '{m}.{c}'")
+        stored = {marker, *companions}
+        self._qset = set(self.quantized)
+        self._keys = [k for k in self.raw.keys()
+                      if not (k.rsplit(".", 1)[-1] in stored and k.rsplit(".", 1)[0] in self._qset)]
+        self._keys += [m + ".weight" for m in self.quantized]
+
+    def keys(self):
+        """HF names (quantized linears appear as ``<module>.weight``)."""
+        return list(self._keys)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._keys
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether ``name`` (``<module>.weight``) is stored quantized."""
+        return name.endswith(".weight") and name[: -len(".weight")] in self._qset
+
+    @abc.abstractmethod
+    def dequantized(self, module: str, device="cpu") -> torch.Tensor:
+        """float16 [out, in] of quantized linear ``module`` (each format's reader)."""
+
+    def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` (dequantized when quantized) on ``device``; floating tensors in
+        ``dtype`` when given."""
+        t = self.dequantized(name[: -len(".weight")], device) if self.is_quantized(name) \
+            else self.raw.get(name, device)
+        return t if dtype is None or not t.is_floating_point() else t.to(dtype)

@@ -1,0 +1,128 @@
+"""Registry of ggml tensor types: block geometry plus vectorized quantize/dequantize.
+
+One :class:`GGMLType` per type, keyed by its ggml name (``"Q4_K"``). Codecs work on whole
+tensors at once (all blocks of all rows in one set of torch ops) on the tensor's device,
+and reproduce llama.cpp's reference quantizers bit for bit (``ggml/src/ggml-quants.c`` at
+llama.cpp 0c1e570, as vendored in llama-cpp-python 0.3.36).
+
+Public API
+----------
+``quantize(x, name)``: float tensor [..., n] -> uint8 [..., n // block_size * type_size]
+``dequantize(raw, name)``: uint8 [..., n_bytes] -> float32 [..., n]
+``get(name)``: the :class:`GGMLType` record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from gguf import GGMLQuantizationType
+
+# elements processed per chunk by quantize()/dequantize(): bounds the temporaries of the
+# search-based K-quants (a handful of float32 copies of the chunk) independently of the
+# tensor size. Whole rows only, so results do not depend on the chunking.
+CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """One ggml type.
+
+    ``block_size`` is elements per block, ``type_size`` bytes per block.
+    ``quantize_blocks``: float32 [nb, block_size] -> uint8 [nb, type_size].
+    ``dequantize_blocks``: uint8 [nb, type_size] -> float32 [nb, block_size].
+    """
+
+    name: str
+    block_size: int
+    type_size: int
+    quantize_blocks: Callable[[torch.Tensor], torch.Tensor]
+    dequantize_blocks: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def type_id(self) -> int:
+        """ggml_type enum value (``gguf.GGMLQuantizationType``)."""
+        return int(GGMLQuantizationType[self.name])
+
+    @property
+    def bpw(self) -> float:
+        """Bits per weight of the encoding (``8 * type_size / block_size``)."""
+        return 8.0 * self.type_size / self.block_size
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one row of ``n`` elements; raises ValueError if n % block_size != 0."""
+        if n % self.block_size:
+            raise ValueError(f"{self.name}: row length {n} is not a multiple of the block size {self.block_size}")
+        return n // self.block_size * self.type_size
+
+
+_REGISTRY: dict[str, GGMLType] = {}
+
+
+def register(t: GGMLType) -> GGMLType:
+    """Add a type to the registry (called by the codec modules at import)."""
+    _REGISTRY[t.name] = t
+    return t
+
+
+def get(name: str) -> GGMLType:
+    """The :class:`GGMLType` called ``name`` (e.g. ``"Q4_K"``); KeyError names the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown ggml type {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def names() -> list[str]:
+    """Names of all registered types."""
+    return list(_REGISTRY)
+
+
+def _rows_per_chunk(n: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, n))
+
+
+def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Quantize ``x`` (any float dtype, [..., n]) row-wise to ggml type ``name``.
+
+    Computation is float32 on ``x.device``. Returns uint8 [..., n // block_size * type_size]
+    with llama.cpp's block bytes (``quantize_row_<type>_ref``). Raises ValueError when n is
+    not a multiple of the block size.
+    """
+    t = get(name)
+    n = x.shape[-1]
+    rb = t.row_bytes(n)
+    rows = x.reshape(-1, n)
+    out = torch.empty((rows.shape[0], rb), dtype=torch.uint8, device=x.device)
+    step = _rows_per_chunk(n)
+    for r0 in range(0, rows.shape[0], step):
+        chunk = rows[r0:r0 + step].to(torch.float32).reshape(-1, t.block_size)
+        out[r0:r0 + step] = t.quantize_blocks(chunk).reshape(-1, rb)
+    return out.reshape(*x.shape[:-1], rb)
+
+
+def dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """Dequantize uint8 ``raw`` [..., n_bytes] of ggml type ``name`` to float32 [..., n].
+
+    Reproduces ggml's ``dequantize_row_<type>``. Raises ValueError when n_bytes is not a
+    multiple of the type size.
+    """
+    t = get(name)
+    nbytes = raw.shape[-1]
+    if nbytes % t.type_size:
+        raise ValueError(f"{name}: {nbytes} bytes per row is not a multiple of the block size {t.type_size}")
+    n = nbytes // t.type_size * t.block_size
+    rows = raw.reshape(-1, nbytes)
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32, device=raw.device)
+    step = _rows_per_chunk(n)
+    for r0 in range(0, rows.shape[0], step):
+        chunk = rows[r0:r0 + step].reshape(-1, t.type_size)
+        out[r0:r0 + step] = t.dequantize_blocks(chunk).reshape(-1, n)
+    return out.reshape(*raw.shape[:-1], n)
+
+
+# codec modules register themselves on import
+from . import floats as _floats  # noqa: E402,F401
+from . import legacy as _legacy  # noqa: E402,F401
+from . import kquants as _kquants  # noqa: E402,F401

@@ -1,0 +1,233 @@
+"""Float32 helpers that reproduce the rounding of ggml's C reference quantizers.
+
+All helpers work element-wise on tensors of any shape and keep the device of their input.
+They exist so that every codec rounds exactly as ``ggml/src/ggml-quants.c`` does in a
+baseline (non-FMA) x86-64 build: one float32 rounding after every operation, in C's order.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def nearest_int(x: torch.Tensor) -> torch.Tensor:
+    """ggml ``nearest_int`` exactly: float32 ``x + 12582912.0f`` reinterpreted as int32,
+    ``(bits & 0x7FFFFF) - 0x400000``.
+
+    ``x`` is float32 of any shape; returns int32 of the same shape. For |x| <= 4194303 this is
+    round-half-to-even; outside that range (and for inf/NaN) it returns the same wrapped
+    value as the C code, so results stay bit-exact after the callers' clamps.
+    """
+    return ((x + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
+
+
+def trunc_int(x: torch.Tensor) -> torch.Tensor:
+    """C float -> integer conversion (truncation toward zero), as int32."""
+    return torch.trunc(x).to(torch.int32)
+
+
+def roundf(x: torch.Tensor) -> torch.Tensor:
+    """C ``roundf``: round half away from zero, exact for every float32 (returns float32)."""
+    t = torch.trunc(x)
+    frac = x - t  # exact in float32
+    return torch.where(frac.abs() >= 0.5, t + torch.sign(x), t)
+
+
+def fp16_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> fp16 (IEEE round-to-nearest-even) -> float32, as ggml's
+    ``GGML_FP32_TO_FP16`` followed by ``GGML_FP16_TO_FP32``."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 [..., n] -> uint8 [..., 2n]: little-endian fp16 (RNE) bytes."""
+    return x.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def bytes_fp16(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2n] little-endian fp16 -> float32 [..., n]."""
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def seq_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis sequentially from index 0 in float32, as a C ``for`` loop.
+
+    ``x`` float32 [..., n] -> float32 [...]. One vectorized add per position, so the
+    result has C's rounding (a torch reduction sums pairwise and may differ in the last bit).
+    """
+    acc = x[..., 0].clone()
+    for j in range(1, x.shape[-1]):
+        acc = acc + x[..., j]
+    return acc
+
+
+def pack_u32_le(bits: torch.Tensor) -> torch.Tensor:
+    """int64 [..., k] of values < 2**32 -> uint8 [..., 4k], little-endian."""
+    shifts = torch.arange(0, 32, 8, device=bits.device, dtype=torch.int64)
+    out = (bits.unsqueeze(-1) >> shifts) & 0xFF
+    return out.reshape(*bits.shape[:-1], bits.shape[-1] * 4).to(torch.uint8)
+
+
+def unpack_u32_le(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4k] -> int64 [..., k], little-endian u32 words."""
+    v = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
+    shifts = torch.arange(0, 32, 8, device=b.device, dtype=torch.int64)
+    return (v << shifts).sum(-1)
+
+
+INT32_MIN = -(1 << 31)
+
+
+def f32(v: float) -> float:
+    """Round a Python float to the nearest float32 value (RNE); returns a Python float.
+
+    Used to form C float32 constants such as ``0.1f*is + nmax`` exactly (each step rounded).
+    """
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def fdiv(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE float32 division ``a / b`` with one rounding, as C's ``/``.
+
+    At least one of ``a``/``b`` is a float32 tensor; a Python number is first turned into a
+    tensor of the other's shape and device. (``number / tensor`` in torch is computed as
+    ``reciprocal(tensor) * number``, and CUDA divides by a CPU scalar through its
+    reciprocal: both round twice, so codecs must divide through this helper.)
+    """
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(b, a)
+    elif not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return torch.div(a, b)
+
+
+def c_float_to_int(x: torch.Tensor) -> torch.Tensor:
+    """C float -> int conversion as x86-64 ``cvttss2si`` does it, as int32.
+
+    Truncates toward zero; NaN and values outside [-2**31, 2**31) give INT32_MIN (the
+    "integer indefinite" value). ``x`` float32, any shape; returns int32.
+    """
+    ok = (x >= -2147483648.0) & (x < 2147483648.0)
+    return torch.where(ok, x, 0.0).to(torch.int32).masked_fill_(~ok, INT32_MIN)
+
+
+def to_int8(v: torch.Tensor) -> torch.Tensor:
+    """C ``(int8_t)`` of an int32 tensor: keep the low byte, sign-extend (int32 result)."""
+    return ((v & 0xFF) ^ 0x80) - 0x80
+
+
+def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element of largest |x| along ``dim``, as C's scan
+    ``amax = 0; max = 0; for i: if (|x[i]| > amax) { amax = |x[i]|; max = x[i]; }``:
+    the first one on ties, NaN never selected, and +0.0 when no |x| is > 0 (so the sign of
+    a zero is C's).
+
+    ``x`` float32; returns (max with its sign, amax), ``dim`` removed. torch.argmax returns
+    the first maximal index (NaN counts as maximal there, so it is masked to 0 first).
+    """
+    ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))     # (much faster than where(isnan))
+    n = x.shape[dim]
+    if dim in (-1, x.dim() - 1) or n > 255:
+        idx = ax.argmax(dim, keepdim=True)
+    else:
+        # torch's argmax over a non-innermost axis is slow on CPU: weight the positions equal
+        # to the maximum by n, n-1, ..., 1 (uint8) and take the largest weight = first index
+        amax = ax.amax(dim, keepdim=True)
+        shape = [1] * x.dim()
+        shape[dim] = n
+        weights = torch.arange(n, 0, -1, dtype=torch.uint8, device=x.device).view(shape)
+        idx = (n - ((ax == amax) * weights).amax(dim, keepdim=True)).long()
+    amax = ax.gather(dim, idx).squeeze(dim)
+    m = x.gather(dim, idx).squeeze(dim)
+    return torch.where(amax > 0, m, 0.0), amax
+
+
+def sqrtf(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root, as C ``sqrtf`` (``sqrtss``).
+
+    ``torch.sqrt`` on float32 is not correctly rounded on every backend (the MKL-backed CPU
+    kernel misrounds ~20% of inputs). The float64 root rounded to float32 is used as a
+    candidate and then corrected exactly: the float32 neighbours' midpoints (25 significant
+    bits) square exactly in float64 and bracket ``x``. ``x`` float32 >= 0 (or NaN/inf), any
+    shape; returns float32.
+    """
+    s = torch.sqrt(x.to(torch.float64)).to(torch.float32)
+    xd = x.to(torch.float64)
+    sd = s.to(torch.float64)
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    dn = torch.nextafter(s, torch.zeros_like(s))
+    hi = (sd + up.to(torch.float64)) * 0.5
+    lo = (sd + dn.to(torch.float64)) * 0.5
+    s = torch.where(xd > hi * hi, up, s)
+    return torch.where(xd < lo * lo, dn, s)
+
+
+# Elements per slice for the block codecs on CPU: the codecs keep several float32 copies
+# of their input alive, and slices of 2**18 elements (1 MiB each) keep that working set in
+# cache, which makes the many elementwise passes several times faster than on whole
+# 4M-element chunks. Results do not depend on the slicing (blocks are independent).
+CPU_SLICE_ELEMENTS = 1 << 18
+
+
+_threads_lock = threading.Lock()
+_threads_users = 0
+_threads_saved = 1
+
+
+@contextlib.contextmanager
+def single_threaded_ops():
+    """Set torch's intra-op threads to 1 while any codec call is running (concurrent
+    calls share one save/restore), yielding the thread count in effect before."""
+    global _threads_users, _threads_saved
+    with _threads_lock:
+        if _threads_users == 0:
+            _threads_saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _threads_users += 1
+        saved = _threads_saved
+    try:
+        yield saved
+    finally:
+        with _threads_lock:
+            _threads_users -= 1
+            if _threads_users == 0:
+                torch.set_num_threads(_threads_saved)
+
+
+def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
+
+    Other devices: ``fn(x)`` once. CPU: the rows are cut into slices of about
+    :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated. The codecs issue
+    thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading costs
+    more than it brings (and stalls badly on a busy machine), so ops run single-threaded and
+    the slices are spread over as many Python threads as torch had intra-op threads (torch
+    releases the GIL inside ops). torch's thread setting is restored on return.
+    """
+    if x.device.type != "cpu":
+        return fn(x)
+    nb, k = x.shape
+    step = max(1, CPU_SLICE_ELEMENTS // max(1, k))
+    slices = [x[i:i + step] for i in range(0, nb, step)]
+    with single_threaded_ops() as threads:
+        workers = min(threads, len(slices))
+        if workers > 1:
+            with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                outs = list(pool.map(fn, slices))
+        else:
+            outs = [fn(s) for s in slices]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def sliced(fn):
+    """Decorator: run block codec ``fn`` through :func:`map_block_slices` (same signature,
+    docstring kept; the undecorated function is ``fn.__wrapped__``)."""
+    @functools.wraps(fn)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return map_block_slices(fn, x)
+    return run

@@ -1,0 +1,708 @@
+"""K-quant ggml types (super-blocks of 256): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+
+Vectorized torch reproductions of llama.cpp's ``quantize_row_qX_K_ref`` (the path taken by
+``ggml_quantize_chunk`` without an importance matrix) and ``dequantize_row_qX_K``
+(``ggml/src/ggml-quants.c`` at llama.cpp 0c1e570, as vendored in llama-cpp-python 0.3.36).
+
+Bit-exactness rules followed throughout:
+
+* float32 only, one rounding per C operation in C's left-to-right order, no fused
+  multiply-add; divisions go through :func:`common.fdiv` (true division).
+* C's sequential ``for`` sums are reproduced by a Python loop over the (16 or 32)
+  positions of a sub-block, each step one vectorized op over all sub-blocks.
+* the scales ``d``/``dmin`` are stored as fp16 (RNE) and read back through fp16 for the
+  requantization, as C does.
+
+Internally sub-blocks are laid out "positions first": ``X[i, s]`` is element ``i`` of
+sub-block ``s`` (``s = superblock * n_sub + j``), so that one position of all sub-blocks is
+a contiguous row.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import GGMLType, register
+from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sliced, sqrtf, to_int8
+
+QK_K = 256
+GROUP_MAX_EPS = f32(1e-15)
+
+
+# ============================================================================ helpers
+
+def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 [nb, 256] -> [n, nb * (256 // n)]: sub-blocks of n elements as columns."""
+    # an explicit copy (a 2-D transpose, which torch blocks for the cache): a view would
+    # make every later per-position row access strided
+    return x.reshape(-1, n).t().contiguous()
+
+
+def _levels_blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
+    """Inverse of :func:`_positions_first` for integer levels: float32
+    [n, nb * (256 // n)] (0..255) -> uint8 [nb, 256] in block order. The transpose is done as a 2-D float32 copy, which torch
+    blocks for the cache (a permuted or uint8 copy is several times slower)."""
+    return L.t().contiguous().reshape(nb, QK_K).to(torch.uint8)
+
+
+def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
+    """Sequential float32 sum over axis 0 (``acc += p[i]`` for i = 0, 1, ...): [n, ...] -> [...]."""
+    rows = p.unbind(0)
+    acc = rows[0].clone()
+    add = acc.add_
+    for r in rows[1:]:
+        add(r)
+    return acc
+
+
+def _seq_sum_into(rows, out: torch.Tensor) -> torch.Tensor:
+    """Sequential float32 sum ``out = rows[0]; out += rows[i]`` for i = 1, 2, ... into the
+    preallocated ``out``; ``rows`` are views bound once (e.g. ``p.unbind(0)``): indexing a
+    tensor per position costs as much as the add on CPU."""
+    out.copy_(rows[0])
+    add = out.add_
+    for r in rows[1:]:
+        add(r)
+    return out
+
+
+def _positive_max(s: torch.Tensor) -> torch.Tensor:
+    """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]
+    (+0.0 when nothing is > 0; NaN ignored)."""
+    return torch.where(s > 0, s, 0.0).amax(-1)
+
+
+def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
+    """int32 or uint8 [nb, 256] of 0..3 -> uint8 [nb, 64]:
+    ``qs[32h + l] = L[128h+l] | L[128h+l+32] << 2 | L[128h+l+64] << 4 | L[128h+l+96] << 6``."""
+    q = L.reshape(-1, 2, 4, 32)
+    out = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    return (out & 0xFF).to(torch.uint8).reshape(-1, 64)
+
+
+def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, 64] -> int32 [nb, 256], inverse of :func:`_pack_2bit`."""
+    q = qs.to(torch.int32).reshape(-1, 2, 1, 32)
+    shifts = torch.arange(0, 8, 2, device=qs.device, dtype=torch.int32).reshape(1, 1, 4, 1)
+    return ((q >> shifts) & 3).reshape(-1, QK_K)
+
+
+def _pack_scale_min_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """6-bit scales and mins int32 [nb, 8] -> uint8 [nb, 12] (Q4_K/Q5_K packing)."""
+    lo_s, hi_s = ls[:, :4], ls[:, 4:]
+    lo_m, hi_m = lm[:, :4], lm[:, 4:]
+    out = torch.cat([lo_s | ((hi_s >> 4) << 6),
+                     lo_m | ((hi_m >> 4) << 6),
+                     (hi_s & 0xF) | ((hi_m & 0xF) << 4)], dim=1)
+    return (out & 0xFF).to(torch.uint8)
+
+
+def _unpack_scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [nb, 12] -> (scales, mins) int32 [nb, 8]; ggml ``get_scale_min_k4`` for j = 0..7."""
+    q = sc.to(torch.int32)
+    a, b, c = q[:, 0:4], q[:, 4:8], q[:, 8:12]
+    ls = torch.cat([a & 63, (c & 0xF) | ((a >> 6) << 4)], dim=1)
+    lm = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=1)
+    return ls, lm
+
+
+# ============================================================================ shared routines
+
+def _ni_clamp_(v: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = MAX(lo, MIN(hi, nearest_int(v)))`` as float32, in place: ``v`` (a float32
+    workspace) is clobbered, ``out`` float32 of the same shape is returned."""
+    v.add_(12582912.0)
+    vi = v.view(torch.int32)
+    vi.bitwise_and_(0x7FFFFF).sub_(0x400000).clamp_(lo, hi)
+    return out.copy_(vi)
+
+
+# make_qkx2_quants may round with float ops on CPU after a range check (exact, ~10% faster);
+# tests switch this off to exercise C's integer path, which other devices always take.
+FAST_ROUNDING_ON_CPU = True
+
+_MAGIC = 12582912.0     # 1.5 * 2**23: nearest_int's shift constant
+_NI_SAFE = 4194303.0    # |v| up to this: nearest_int(v) == (v + _MAGIC) - _MAGIC, exactly
+
+
+def _round_clamp_(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """In place ``v = MAX(lo, MIN(hi, nearest_int(v)))`` in float32, valid (bit-exact with C)
+    only where |v| <= 4194303: there ``v + 12582912.0f`` lands in [2**23, 2**24), whose
+    spacing is 1, so C's mantissa read equals ``(v + 12582912) - 12582912``. Callers prove
+    or check that bound; elsewhere use :func:`_ni_clamp_`."""
+    return v.add_(_MAGIC).sub_(_MAGIC).clamp_(lo, hi)
+
+
+def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: int, hi: int,
+             L: torch.Tensor) -> torch.Tensor:
+    """Requantization with the stored scales: ``MAX(lo, MIN(hi, nearest_int((x + m_j)/d_j))) - lo``
+    (``x/d_j`` when ``mj`` is None) as float32 [n, S], and ``L`` kept in sub-blocks with
+    ``d_j == 0`` (C skips them). ``xs`` float32 [n, S]; ``mj``, ``dj`` float32 [1, S].
+
+    On CPU, (x + m_j)/d_j, rounded after each op, is monotonic in x, so when its values at
+    each sub-block's smallest and largest x are within ±4194303 (checked on the host) the
+    float rounding path (round half to even, exact there) is used; otherwise C's integer path.
+    """
+    zero_dj = dj == 0
+    any_zero = bool(zero_dj.any())
+    t = xs + mj if mj is not None else xs.clone()
+    fast = False
+    if FAST_ROUNDING_ON_CPU and xs.device.type == "cpu":
+        e = torch.stack([xs.amin(0), xs.amax(0)])     # (aminmax over dim 0 is slow)
+        if mj is not None:
+            e += mj
+        e.div_(dj).abs_()
+        if any_zero:
+            e.masked_fill_(zero_dj, 0.0)
+        fast = bool(e.amax() <= _NI_SAFE)           # NaN -> False
+    t.div_(dj)
+    if fast:
+        t.round_().clamp_(lo, hi)
+    else:
+        t = _ni_clamp_(t, lo, hi, torch.empty_like(t))
+    if lo:
+        t.sub_(lo)
+    if any_zero:
+        t = torch.where(zero_dj, L, t)
+    return t
+
+
+def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
+
+    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``). Weights are x². Tries
+    the inverse scale -nmax/max, then -(nmax + 0.1*t)/max for t = -9..9, keeping the best
+    weighted least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding
+    integers 0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
+    """
+    n, S = x.shape
+    dev = x.device
+    mx, amax = first_absmax(x, 0)
+    zero = amax < GROUP_MAX_EPS
+    any_zero = bool(zero.any())
+    w = x * x
+    wwx = torch.stack([w * x, w], 1)        # [n, 2, S]: w*x, w
+    del w
+    la = torch.empty_like(x)
+    la2 = la.unsqueeze(1)
+    p = torch.empty((n, 2, S), dtype=x.dtype, device=dev)
+    p_rows = p.unbind(0)
+    pl2 = p[:, 1]
+    # ST = [sel (the inverse scale whose L is kept), scale, best]; NEW: the step's candidate
+    ST = torch.empty((3, S), device=dev)
+    NEW = torch.empty((3, S), device=dev)
+    sel, scale, best = ST.unbind(0)
+    iscale, this_scale, this_best = NEW.unbind(0)
+    s = torch.empty((2, S), device=dev)
+    sumlx, suml2 = s.unbind(0)
+    take = torch.empty(S, dtype=torch.bool, device=dev)
+    t2 = torch.empty(S, device=dev)
+
+    def sums(iscale: torch.Tensor) -> None:
+        # |iscale*x| <= (nmax + 1)*(1 + eps) in every sub-block with max|x| >= 1e-15 (the
+        # others are masked at the end), so rounding with round() (half to even) is exact
+        # (-0.0 for C's 0 changes no sum: the max element's level is never 0)
+        torch.mul(x, iscale, out=la)        # iscale*x
+        la.round_().clamp_(-nmax, nmax - 1)
+        torch.mul(wwx, la2, out=p)          # (w*x)*l, w*l
+        pl2.mul_(la)                        # (w*l)*l
+        _seq_sum_into(p_rows, s)
+
+    torch.div(torch.full_like(mx, float(-nmax)), mx, out=sel)
+    sums(sel)
+    torch.div(sumlx, suml2, out=scale)
+    scale.masked_fill_(suml2 == 0, 0.0)
+    torch.mul(scale, sumlx, out=best)
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        # C: -(nmax + 0.1f*is) / max
+        num = f32(nmax + f32(f32(0.1) * step))
+        torch.div(torch.full_like(mx, -num), mx, out=iscale)
+        sums(iscale)
+        torch.mul(sumlx, sumlx, out=t2)
+        torch.gt(t2, torch.mul(best, suml2), out=take)
+        take &= suml2 > 0
+        torch.div(sumlx, suml2, out=this_scale)
+        torch.mul(this_scale, sumlx, out=this_best)
+        torch.where(take, NEW, ST, out=ST)
+    # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
+    torch.mul(x, sel, out=la)
+    L = la.round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    if any_zero:
+        scale = torch.where(zero, 0.0, scale)
+        L.masked_fill_(zero, 0.0)
+    return scale, L
+
+
+def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over many sub-blocks.
+
+    ``x``: float32 [n, S]. Weights are x². Up to 5 coordinate-descent passes; a sub-block
+    stops after the first pass in which nothing changed (masks reproduce C's per-block
+    ``break``). Returns (scale float32 [S], L float32 [n, S] with integers 0..2*nmax-1;
+    all-zero sub-blocks give scale 0 and L = 0).
+    """
+    n = x.shape[0]
+    mx, amax = first_absmax(x, 0)
+    zero = amax < GROUP_MAX_EPS
+    # |iscale*x| <= nmax*(1 + eps) unless the sub-block is all zero (masked at the end)
+    L = _round_clamp_(x * fdiv(float(-nmax), mx), -nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    p = torch.empty((n, 2) + x.shape[1:], dtype=x.dtype, device=x.device)
+    torch.mul(wx, L, out=p[:, 0])
+    torch.mul(w, L, out=p[:, 1])
+    p[:, 1].mul_(L)
+    s = _seq_sum_rows(p)
+    sumlx, suml2 = s[0], s[1]
+    del p
+
+    # Coordinate descent. Pass 1 runs on all sub-blocks (the all-zero ones masked out);
+    # later passes on a shrinking working set: the sub-blocks that changed something in the
+    # previous pass (C's per-block ``if (!n_changed) break``). Gathering them costs a host
+    # sync per pass, but most sub-blocks stop after one or two passes.
+    idx = None                                          # None: the full set
+    act = ~zero
+    xa, wa, wxa, La = x, w, wx, L
+    slx_a, sl2_a = sumlx, suml2
+    t = torch.empty_like(slx_a)
+    new_l = torch.empty_like(slx_a)
+    for _ in range(5):
+        changed = torch.zeros_like(slx_a, dtype=torch.bool)
+        for i in range(n):
+            xi, wi, wxi, li = xa[i], wa[i], wxa[i], La[i]
+            slx = slx_a - wxi * li
+            wl = wi * li
+            sl2 = sl2_a - wl * li
+            torch.mul(xi, sl2, out=t)
+            t.div_(slx)                                 # x*sl2/slx
+            _ni_clamp_(t, -nmax, nmax - 1, new_l)
+            slx2 = wxi * new_l
+            slx2 += slx
+            wl = wi * new_l
+            wl *= new_l
+            sl22 = sl2 + wl
+            lhs = slx2 * slx2
+            lhs *= sl2_a
+            rhs = slx_a * slx_a
+            rhs *= sl22
+            accept = lhs > rhs                          # (s*s)*Sl2 > (Slx*Slx)*t
+            accept &= slx > 0
+            accept &= new_l != li
+            accept &= sl22 > 0
+            if act is not None:
+                accept &= act
+            torch.where(accept, new_l, li, out=li)
+            slx_a = torch.where(accept, slx2, slx_a)
+            sl2_a = torch.where(accept, sl22, sl2_a)
+            changed |= accept
+        if idx is None:
+            sumlx, suml2 = slx_a, sl2_a                 # L was updated in place
+        else:
+            L.index_copy_(1, idx, La)
+            sumlx.index_copy_(0, idx, slx_a)
+            suml2.index_copy_(0, idx, sl2_a)
+        keep = torch.nonzero(changed).squeeze(1)
+        if keep.numel() == 0:
+            break
+        idx = keep if idx is None else idx[keep]
+        act = None
+        xa, wa, wxa, La = (a.index_select(1, keep) for a in (xa, wa, wxa, La))
+        slx_a, sl2_a = slx_a[keep], sl2_a[keep]
+        t = torch.empty_like(slx_a)
+        new_l = torch.empty_like(slx_a)
+    scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
+    scale.masked_fill_(zero, 0.0)
+    L.add_(nmax).masked_fill_(zero, 0.0)
+    return scale, L
+
+
+def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
+                     nstep: int, use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qkx2_quants`` over many sub-blocks (affine scale + min search).
+
+    ``x``, ``w``: float32 [n, S] (values and weights). Tries ``nstep + 1`` inverse scales
+    ``(rmin + rdelta*k + nmax) / (max - min)``, each followed by a weighted least-squares fit
+    of scale and min, keeping the lowest weighted error (|e| if ``use_mad`` else e²); as in
+    C, an accepted fit's min is used by the following steps. Returns (scale [S],
+    the_min [S] >= 0, L float32 [n, S] of integers 0..nmax), so that x ≈ scale*L - the_min.
+    Constant sub-blocks (max == min after min is capped at 0) give scale 0, L 0 and
+    the_min = -min.
+    """
+    n, S = x.shape
+    dev = x.device
+    ends = torch.stack([x.amin(0), x.amax(0)])      # [xmin, max] per sub-block
+    xmin, mx = ends[0], ends[1]
+    # per-sub-block scalars live in rows of small buffers, so that one op updates several
+    V = torch.empty((5, S), device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
+    sum_x, sum_w = V[0], V[1]
+    _seq_sum_into(w.unbind(0), sum_w)
+    wx = w * x
+    _seq_sum_into(wx.unbind(0), sum_x)      # starts with sum_w*x[0] = w[0]*x[0]
+    del wx
+    mn0 = torch.where(xmin > 0, 0.0, xmin)
+    degenerate = mx == mn0
+    dead = degenerate if bool(degenerate.any()) else None
+
+    fast_ok = FAST_ROUNDING_ON_CPU and x.device.type == "cpu"
+    T = None if fast_ok else torch.empty_like(x)
+    E = torch.empty_like(x)
+    E_rows = E.unbind(0)
+    p = torch.empty((n, 3, S), dtype=x.dtype, device=dev)      # w*l*l, w*l, w*l*x
+    p_rows = p.unbind(0)
+    chk = torch.empty((2, S), device=dev)
+
+    def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        nonlocal T
+        if fast_ok:
+            # x -> iscale*(x - min), rounded after each op, is monotonic in x, so every value
+            # lies between those at the block's smallest and largest x: if both ends are within
+            # the exact range of the float rounding path for every live sub-block (a host
+            # check, CPU only), use it; otherwise (never seen in practice) C's integer path.
+            # There round() (half to even) equals nearest_int; it may give -0.0 where C has
+            # +0, which changes no sum or error (only the sign of an all-zero sum, for which
+            # D = 0 and the fit is not taken) and no integer level.
+            torch.sub(ends, mn, out=chk)
+            chk.mul_(iscale).abs_()
+            if dead is not None:
+                chk.masked_fill_(dead, 0.0)
+            if bool(chk.amax() <= _NI_SAFE):            # NaN -> False
+                torch.sub(x, mn, out=out)
+                out.mul_(iscale)            # iscale*(x - min)
+                return out.round_().clamp_(0, nmax)
+            if T is None:
+                T = torch.empty_like(x)
+        torch.sub(x, mn, out=T)
+        T.mul_(iscale)                      # iscale*(x - min)
+        return _ni_clamp_(T, 0, nmax, out)
+
+    def error(scale: torch.Tensor, mn: torch.Tensor, la: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.mul(la, scale, out=E)         # scale*L
+        E.add_(mn)                          # + min
+        E.sub_(x)                           # - x
+        if use_mad:
+            E.abs_()
+        else:
+            E.mul_(E)
+        E.mul_(w)
+        return _seq_sum_into(E_rows, out)
+
+    # state: ST = [sel_iscale, sel_shift, best, scale, min]; the step's candidate
+    # NEW = [iscale, min used, error, this_scale, this_min]; an accepted step copies NEW
+    # into ST (the L kept is recomputed at the end from its inverse scale and shift)
+    ST = torch.empty((5, S), device=dev)
+    NEW = torch.empty((5, S), device=dev)
+    sel_iscale, sel_shift, best, scale, mn = ST.unbind(0)
+    iscale, mn_used, cur, this_scale, this_min = NEW.unbind(0)
+    Q = torch.empty((6, S), device=dev)
+    R = torch.empty((3, S), device=dev)     # D, D*this_scale, D*this_min numerators
+    den = torch.empty(S, device=dev)
+    alt = torch.empty(S, device=dev)
+    pos = torch.empty(S, dtype=torch.bool, device=dev)
+    take = torch.empty(S, dtype=torch.bool, device=dev)
+
+    mn.copy_(mn0)
+    sel_shift.copy_(mn0)
+    torch.sub(mx, mn, out=den)
+    torch.div(torch.full_like(den, float(nmax)), den, out=sel_iscale)
+    torch.div(torch.ones_like(den), sel_iscale, out=scale)
+    la = torch.empty_like(x)
+    error(scale, mn, quant(sel_iscale, mn, la), best)
+    for k in range(nstep + 1):
+        # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
+        num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
+        torch.sub(mx, mn, out=den)
+        torch.div(torch.full_like(den, num), den, out=iscale)
+        mn_used.copy_(mn)
+        quant(iscale, mn, la)
+        torch.mul(w, la, out=p[:, 1])       # w*l
+        torch.mul(p[:, 1], la, out=p[:, 0])  # (w*l)*l
+        torch.mul(p[:, 1], x, out=p[:, 2])  # (w*l)*x
+        _seq_sum_into(p_rows, V[2:5])       # sum_l2, sum_l, sum_xl
+        torch.mul(V[2::2], sum_w, out=Q[0:2])   # sum_w*sum_l2, sum_w*sum_xl
+        torch.mul(V[2:4], sum_x, out=Q[2::2])   # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
+        torch.mul(V[3:5], V[3], out=Q[3::2])    # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
+        torch.sub(Q[0:3], Q[3:6], out=R)    # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
+        torch.div(R[1:3], R[0], out=NEW[3:5])   # this_scale, this_min
+        torch.gt(this_min, 0, out=pos)
+        this_min.masked_fill_(pos, 0.0)
+        torch.div(V[4], V[2], out=alt)      # sum_xl / sum_l2
+        torch.where(pos, alt, this_scale, out=this_scale)
+        error(this_scale, this_min, la, cur)
+        torch.gt(R[0], 0, out=take)
+        take &= cur < best
+        torch.where(take, NEW, ST, out=ST)
+    L = quant(sel_iscale, sel_shift, la)
+    scale = torch.where(degenerate, 0.0, scale)
+    the_min = -torch.where(degenerate, mn0, mn)
+    L.masked_fill_(degenerate, 0.0)
+    return scale, the_min, L
+
+
+# ============================================================================ Q2_K
+
+@sliced
+def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q2_K_ref``: float32 [nb, 256] -> uint8 [nb, 84].
+
+    16 sub-blocks of 16: make_qkx2_quants(nmax 3, w = |x|, rmin -0.5, rdelta 0.1, 15 steps,
+    MAD); 4-bit scales and mins relative to fp16 d = max_scale/15, dmin = max_min/15; then
+    requantization with the fp16-rounded d/dmin. Layout: scales[16], qs[64], d, dmin.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, the_min, L = make_qkx2_quants(xs, xs.abs(), 3, -0.5, 0.1, 15, True)
+    scale = scale.reshape(nb, 16)
+    the_min = the_min.reshape(nb, 16)
+    max_scale = _positive_max(scale).unsqueeze(1)
+    max_min = _positive_max(the_min).unsqueeze(1)
+
+    has_s = max_scale > 0
+    ls = torch.where(has_s, nearest_int(fdiv(15.0, max_scale) * scale), 0)
+    d = torch.where(has_s, fdiv(max_scale, 15.0), 0.0)
+    has_m = max_min > 0
+    lm = torch.where(has_m, nearest_int(fdiv(15.0, max_min) * the_min), 0)
+    dmin = torch.where(has_m, fdiv(max_min, 15.0), 0.0)
+    sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j]
+
+    # requantize with the stored (fp16) super-block scales
+    dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, mj, dj, 0, 3, L)
+
+    Lb = _levels_blocks_first(L, nb)
+    return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
+
+
+@sliced
+def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q2_K``: uint8 [nb, 84] -> float32 [nb, 256],
+    ``(d * (sc & 15)) * q - dmin * (sc >> 4)`` per sub-block of 16."""
+    nb = b.shape[0]
+    sc = b[:, 0:16].to(torch.int32)
+    q = _unpack_2bit(b[:, 16:80]).to(torch.float32).reshape(nb, 16, 16)
+    d = bytes_fp16(b[:, 80:82])
+    dmin = bytes_fp16(b[:, 82:84])
+    dl = (d * (sc & 0xF).to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * (sc >> 4).to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+# ============================================================================ Q3_K
+
+@sliced
+def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q3_K_ref``: float32 [nb, 256] -> uint8 [nb, 110].
+
+    16 sub-blocks of 16: make_q3_quants(nmax 4, rmse); 6-bit signed scales
+    ni(iscale * s_j) with iscale = -32 / max_scale (max_scale: the sub-block scale of largest
+    magnitude, first on ties) and d = fp16(1 / iscale); requantization with fp16 d.
+    Layout: hmask[32], qs[64], scales[12], d.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, L = make_q3_quants(xs, 4)
+    scale = scale.reshape(nb, 16)
+    max_scale, _ = first_absmax(scale, 1)
+    max_scale = max_scale.unsqueeze(1)
+    nz = max_scale != 0
+    iscale = fdiv(-32.0, max_scale)
+    l = (to_int8(nearest_int(iscale * scale)).clamp_(-32, 31) + 32)
+    l = torch.where(nz, l, 0)
+    lo = l & 0xF
+    hi = (l >> 4).reshape(nb, 4, 4)    # [group j//4, j%4]
+    sc_hi = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    scales = torch.cat([lo[:, :8] | (lo[:, 8:] << 4), sc_hi], dim=1)
+    d = torch.where(nz, fdiv(1.0, iscale), 0.0)
+
+    # requantize: sc = stored 6-bit scale - 32 (-32 when the scales are all zero)
+    dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, None, dj, -4, 3, L)
+
+    Lb = _levels_blocks_first(L, nb)
+    high = Lb > 3
+    Lb = Lb & 3
+    hb = high.to(torch.int32).reshape(nb, 8, 32)
+    shifts = torch.arange(8, device=x.device, dtype=torch.int32).reshape(1, 8, 1)
+    hmask = (hb << shifts).sum(1, dtype=torch.int32)
+    return torch.cat([hmask.to(torch.uint8), _pack_2bit(Lb), (scales & 0xFF).to(torch.uint8),
+                      fp16_bytes(d)], dim=1)
+
+
+@sliced
+def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q3_K``: uint8 [nb, 110] -> float32 [nb, 256],
+    ``(d * (sc - 32)) * (q - (hmask bit ? 0 : 4))`` per sub-block of 16."""
+    nb = b.shape[0]
+    hm = b[:, 0:32].to(torch.int32)
+    q = _unpack_2bit(b[:, 32:96])
+    s = b[:, 96:108].to(torch.int32)
+    d = bytes_fp16(b[:, 108:110])
+    shifts = torch.arange(8, device=b.device, dtype=torch.int32).reshape(1, 8, 1)
+    hbit = ((hm.unsqueeze(1) >> shifts) & 1).reshape(nb, QK_K)
+    q = (q - ((1 - hbit) << 2)).to(torch.float32).reshape(nb, 16, 16)
+    lo = torch.cat([s[:, :8] & 0xF, s[:, :8] >> 4], dim=1)
+    sh = torch.arange(0, 8, 2, device=b.device, dtype=torch.int32).reshape(1, 4, 1)
+    hi = ((s[:, 8:12].unsqueeze(1) >> sh) & 3).reshape(nb, 16)
+    sc = (lo | (hi << 4)) - 32
+    dl = (d * sc.to(torch.float32)).unsqueeze(-1)
+    return (dl * q).reshape(nb, QK_K)
+
+
+# ============================================================================ Q4_K / Q5_K
+
+def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
+    """Shared part of quantize_row_q4_K_ref / q5_K_ref: sub-block fits, 6-bit scales/mins,
+    fp16 d/dmin and the requantized L (uint8 [nb, 256], 0..nmax)."""
+    nb = x.shape[0]
+    xs = _positions_first(x, 32)
+    sum_x2 = _seq_sum_rows(xs * xs)
+    av_x = sqrtf(fdiv(sum_x2, 32.0))
+    w = xs.abs()
+    w += av_x
+    scale, the_min, L = make_qkx2_quants(xs, w, nmax, rmin, 0.1, nstep, False)
+    del w
+    scale = scale.reshape(nb, 8)
+    the_min = the_min.reshape(nb, 8)
+    max_scale = _positive_max(scale).unsqueeze(1)
+    max_min = _positive_max(the_min).unsqueeze(1)
+    inv_scale = torch.where(max_scale > 0, fdiv(63.0, max_scale), 0.0)
+    inv_min = torch.where(max_min > 0, fdiv(63.0, max_min), 0.0)
+    ls = (nearest_int(inv_scale * scale) & 0xFF).clamp_max_(63)
+    lm = (nearest_int(inv_min * the_min) & 0xFF).clamp_max_(63)
+    d = fdiv(max_scale, 63.0)
+    dmin = fdiv(max_min, 63.0)
+
+    dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, mj, dj, 0, nmax, L)
+    Lb = _levels_blocks_first(L, nb)
+    head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), _pack_scale_min_k4(ls, lm)], dim=1)
+    return head, Lb
+
+
+@sliced
+def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_K_ref``: float32 [nb, 256] -> uint8 [nb, 144].
+
+    8 sub-blocks of 32: weights sqrt(mean x²) + |x|, make_qkx2_quants(nmax 15, rmin -1,
+    rdelta 0.1, 20 steps, MSE); 6-bit scales/mins relative to fp16 d = max_scale/63 and
+    dmin = max_min/63; requantization with fp16 d/dmin. Layout: d, dmin, scales[12], qs[128].
+    """
+    head, L = _k4_scales(x, 15, -1.0, 20)
+    q = L.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(-1, 128)
+    return torch.cat([head, qs], dim=1)
+
+
+@sliced
+def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q4_K``: uint8 [nb, 144] -> float32 [nb, 256],
+    ``(d * sc) * q - dmin * m`` per sub-block of 32."""
+    nb = b.shape[0]
+    d = bytes_fp16(b[:, 0:2])
+    dmin = bytes_fp16(b[:, 2:4])
+    ls, lm = _unpack_scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:144].to(torch.int32).reshape(nb, 4, 1, 32)
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    q = ((qs >> sh) & 0xF).to(torch.float32).reshape(nb, 8, 32)
+    dl = (d * ls.to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * lm.to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+@sliced
+def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_K_ref``: float32 [nb, 256] -> uint8 [nb, 176].
+
+    As Q4_K with make_qkx2_quants(nmax 31, rmin -0.5, rdelta 0.1, 15 steps, MSE); the 5th
+    bit goes to qh. Layout: d, dmin, scales[12], qh[32], qs[128].
+    """
+    head, L = _k4_scales(x, 31, -0.5, 15)
+    q = L.reshape(-1, 4, 2, 32)
+    a, bb = q[:, :, 0], q[:, :, 1]
+    ha, hb = a > 15, bb > 15
+    a = a & 15
+    bb = bb & 15
+    qs = (a | (bb << 4)).to(torch.uint8).reshape(-1, 128)
+    shifts = torch.arange(0, 8, 2, device=x.device, dtype=torch.int32).reshape(1, 4, 1)
+    qh = ((ha.to(torch.int32) << shifts) | (hb.to(torch.int32) << (shifts + 1))).sum(1, dtype=torch.int32)
+    return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
+
+
+@sliced
+def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q5_K``: uint8 [nb, 176] -> float32 [nb, 256],
+    ``(d * sc) * q - dmin * m`` per sub-block of 32, q with its qh bit."""
+    nb = b.shape[0]
+    d = bytes_fp16(b[:, 0:2])
+    dmin = bytes_fp16(b[:, 2:4])
+    ls, lm = _unpack_scale_min_k4(b[:, 4:16])
+    qh = b[:, 16:48].to(torch.int32).reshape(nb, 1, 32)
+    qs = b[:, 48:176].to(torch.int32).reshape(nb, 4, 1, 32)
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    lo = ((qs >> sh) & 0xF).reshape(nb, 8, 32)
+    hsh = torch.arange(8, device=b.device, dtype=torch.int32).reshape(1, 8, 1)
+    hi = ((qh >> hsh) & 1) << 4
+    q = (lo | hi).to(torch.float32)
+    dl = (d * ls.to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * lm.to(torch.float32)).unsqueeze(-1)
+    return (dl * q - ml).reshape(nb, QK_K)
+
+
+# ============================================================================ Q6_K
+
+@sliced
+def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q6_K_ref``: float32 [nb, 256] -> uint8 [nb, 210].
+
+    16 sub-blocks of 16: make_qx_quants(nmax 32, rmse_type 1); int8 scales
+    MIN(127, ni(iscale * s_j)) with iscale = -128 / max_scale and d = fp16(1 / iscale);
+    requantization with fp16 d. Blocks whose largest sub-block
+    scale is below 1e-15 are all zero bytes. Layout: ql[128], qh[64], int8 scales[16], d.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    scale, L = make_qx_quants(xs, 32)
+    scale = scale.reshape(nb, 16)
+    max_scale, max_abs = first_absmax(scale, 1)
+    zero = (max_abs < GROUP_MAX_EPS).unsqueeze(1)
+    iscale = fdiv(-128.0, max_scale).unsqueeze(1)
+    d = fdiv(1.0, iscale)
+    sc = to_int8(nearest_int(iscale * scale).clamp_max_(127))
+
+    dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, None, dj, -32, 31, L)
+    Lb = _levels_blocks_first(L, nb).reshape(nb, 2, 4, 32)
+    ql = torch.cat([(Lb[:, :, 0] & 0xF) | ((Lb[:, :, 2] & 0xF) << 4),
+                    (Lb[:, :, 1] & 0xF) | ((Lb[:, :, 3] & 0xF) << 4)], dim=2).reshape(nb, 128)
+    hi = Lb >> 4
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    out = torch.cat([(ql & 0xFF).to(torch.uint8), (qh & 0xFF).to(torch.uint8),
+                     (sc & 0xFF).to(torch.uint8), fp16_bytes(d)], dim=1)
+    return out.masked_fill_(zero, 0)
+
+
+@sliced
+def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q6_K``: uint8 [nb, 210] -> float32 [nb, 256],
+    ``(d * sc) * (q - 32)`` per sub-block of 16."""
+    nb = b.shape[0]
+    ql = b[:, 0:128].to(torch.int32).reshape(nb, 2, 1, 64)
+    qh = b[:, 128:192].to(torch.int32).reshape(nb, 2, 1, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = bytes_fp16(b[:, 208:210])
+    sh = torch.tensor([0, 4], device=b.device, dtype=torch.int32).reshape(1, 1, 2, 1)
+    lo = ((ql >> sh) & 0xF).reshape(nb, 2, 4, 32)  # [h, k = 2*nibble + half, l]
+    hsh = torch.arange(0, 8, 2, device=b.device, dtype=torch.int32).reshape(1, 1, 4, 1)
+    hi = (qh >> hsh) & 3                                        # [h, k, l]
+    q = ((lo | (hi << 4)) - 32).to(torch.float32).reshape(nb, 16, 16)
+    dl = (d * sc).unsqueeze(-1)
+    return (dl * q).reshape(nb, QK_K)
+
+
+Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k))
+Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k))
+Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k))
+Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k))
+Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k))

@@ -1,0 +1,191 @@
+"""Legacy ggml block types (32 elements per block): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+
+Vectorized torch reproductions of llama.cpp's ``quantize_row_q*_ref`` and
+``dequantize_row_q*`` (``ggml/src/ggml-quants.c`` at llama.cpp 0c1e570, as vendored in
+llama-cpp-python 0.3.36). All blocks are processed at once on the input's device; every
+float32 operation is rounded as in C (no FMA, no float64).
+
+Block layouts (little-endian, fp16 scales):
+
+* Q4_0 (18 B): d, qs[16]           x = (q - 8) * d
+* Q4_1 (20 B): d, m, qs[16]        x = q * d + m
+* Q5_0 (22 B): d, qh[4], qs[16]    x = (q - 16) * d, bit 4 of q[j] in bit j of qh
+* Q5_1 (24 B): d, m, qh[4], qs[16] x = q * d + m
+* Q8_0 (34 B): d, int8 qs[32]      x = q * d
+
+The low nibble of ``qs[j]`` holds element j, the high nibble element j + 16.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import GGMLType, register
+from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf, sliced, to_int8
+
+QK = 32
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """C ``d ? 1.0f/d : 0.0f``."""
+    return torch.where(d != 0, fdiv(1.0, d), 0.0)
+
+
+def _first_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block min and max as C's ``if (v < min) min = v; if (v > max) max = v;`` scan from
+    ±FLT_MAX: the first element equal to the extreme (this fixes the sign of a zero)."""
+    mn = x.gather(1, x.argmin(1, keepdim=True))
+    mx = x.gather(1, x.argmax(1, keepdim=True))
+    return mn, mx
+
+
+def _nibbles(q: torch.Tensor, masked: bool) -> torch.Tensor:
+    """int32 [nb, 32] -> uint8 [nb, 16]: ``qs[j] = q[j] | q[j+16] << 4`` truncated to a
+    byte as C stores it; ``masked`` applies C's ``& 0x0F`` to both halves first (Q5_*),
+    otherwise the bytes are OR-ed unmasked (Q4_0/Q4_1)."""
+    lo, hi = q[:, :16], q[:, 16:]
+    if masked:
+        lo, hi = lo & 0x0F, hi & 0x0F
+    return ((lo | (hi << 4)) & 0xFF).to(torch.uint8)
+
+
+def _qh_bits(q: torch.Tensor) -> torch.Tensor:
+    """int32 [nb, 32] -> uint8 [nb, 4]: bit 4 of q[j] into bit j of a little-endian u32."""
+    bits = ((q >> 4) & 1).view(q.shape[0], 4, 8)
+    shifts = torch.arange(8, device=q.device, dtype=torch.int32)
+    return (bits << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, 16] -> int32 [nb, 32]: low nibbles then high nibbles."""
+    q = qs.to(torch.int32)
+    return torch.cat([q & 0x0F, q >> 4], dim=1)
+
+
+def _unpack_qh(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb, 4] -> int32 [nb, 32] of 0/16: bit j of the u32 -> 16 for element j."""
+    shifts = torch.arange(8, device=qh.device, dtype=torch.int32)
+    bits = (qh.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(qh.shape[0], 32) << 4
+
+
+# ----------------------------------------------------------------------------- Q4_0
+
+@sliced
+def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_0_ref``: float32 [nb, 32] -> uint8 [nb, 18].
+
+    d = m / -8 where m is the first element of largest |x|; q = MIN(15, (int8)(x/d + 8.5)).
+    """
+    m, _ = first_absmax(x, 1)
+    d = fdiv(m, -8.0).unsqueeze(1)
+    idd = _inverse(d)
+    q = to_int8(c_float_to_int(x * idd + 8.5)).clamp_max_(15)
+    return torch.cat([fp16_bytes(d), _nibbles(q, False)], dim=1)
+
+
+@sliced
+def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q4_0``: uint8 [nb, 18] -> float32 [nb, 32], (q - 8) * d."""
+    d = bytes_fp16(b[:, 0:2])
+    q = _unpack_nibbles(b[:, 2:18]) - 8
+    return q.to(torch.float32) * d
+
+
+# ----------------------------------------------------------------------------- Q4_1
+
+@sliced
+def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_1_ref``: float32 [nb, 32] -> uint8 [nb, 20].
+
+    d = (max - min) / 15, m = min; q = MIN(15, (int8)((x - min)/d + 0.5)).
+    """
+    mn, mx = _first_min_max(x)
+    d = fdiv(mx - mn, 15.0)
+    idd = _inverse(d)
+    q = to_int8(c_float_to_int((x - mn) * idd + 0.5)).clamp_max_(15)
+    return torch.cat([fp16_bytes(d), fp16_bytes(mn), _nibbles(q, False)], dim=1)
+
+
+@sliced
+def dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q4_1``: uint8 [nb, 20] -> float32 [nb, 32], q * d + m."""
+    d = bytes_fp16(b[:, 0:2])
+    m = bytes_fp16(b[:, 2:4])
+    q = _unpack_nibbles(b[:, 4:20])
+    return q.to(torch.float32) * d + m
+
+
+# ----------------------------------------------------------------------------- Q5_0
+
+@sliced
+def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_0_ref``: float32 [nb, 32] -> uint8 [nb, 22].
+
+    d = m / -16 (m: first element of largest |x|); q = MIN(31, (int8)(x/d + 16.5)).
+    """
+    m, _ = first_absmax(x, 1)
+    d = fdiv(m, -16.0).unsqueeze(1)
+    idd = _inverse(d)
+    q = to_int8(c_float_to_int(x * idd + 16.5)).clamp_max_(31)
+    return torch.cat([fp16_bytes(d), _qh_bits(q), _nibbles(q, True)], dim=1)
+
+
+@sliced
+def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q5_0``: uint8 [nb, 22] -> float32 [nb, 32], (q - 16) * d."""
+    d = bytes_fp16(b[:, 0:2])
+    q = (_unpack_nibbles(b[:, 6:22]) | _unpack_qh(b[:, 2:6])) - 16
+    return q.to(torch.float32) * d
+
+
+# ----------------------------------------------------------------------------- Q5_1
+
+@sliced
+def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_1_ref``: float32 [nb, 32] -> uint8 [nb, 24].
+
+    d = (max - min) / 31, m = min; q = (uint8)((x - min)/d + 0.5), no clamp.
+    """
+    mn, mx = _first_min_max(x)
+    d = fdiv(mx - mn, 31.0)
+    idd = _inverse(d)
+    q = c_float_to_int((x - mn) * idd + 0.5) & 0xFF
+    return torch.cat([fp16_bytes(d), fp16_bytes(mn), _qh_bits(q), _nibbles(q, True)], dim=1)
+
+
+@sliced
+def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q5_1``: uint8 [nb, 24] -> float32 [nb, 32], q * d + m."""
+    d = bytes_fp16(b[:, 0:2])
+    m = bytes_fp16(b[:, 2:4])
+    q = _unpack_nibbles(b[:, 8:24]) | _unpack_qh(b[:, 4:8])
+    return q.to(torch.float32) * d + m
+
+
+# ----------------------------------------------------------------------------- Q8_0
+
+@sliced
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q8_0_ref``: float32 [nb, 32] -> uint8 [nb, 34].
+
+    d = max|x| / 127; q = (int8)roundf(x/d) (round half away from zero).
+    """
+    amax = x.abs().amax(1, keepdim=True)
+    d = fdiv(amax, 127.0)
+    idd = _inverse(d)
+    q = (c_float_to_int(roundf(x * idd)) & 0xFF).to(torch.uint8)  # (int8_t) store
+    return torch.cat([fp16_bytes(d), q], dim=1)
+
+
+def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``dequantize_row_q8_0``: uint8 [nb, 34] -> float32 [nb, 32], q * d."""
+    d = bytes_fp16(b[:, 0:2])
+    q = b[:, 2:34].contiguous().view(torch.int8)
+    return q.to(torch.float32) * d
+
+
+Q4_0 = register(GGMLType("Q4_0", QK, 18, quantize_q4_0, dequantize_q4_0))
+Q4_1 = register(GGMLType("Q4_1", QK, 20, quantize_q4_1, dequantize_q4_1))
+Q5_0 = register(GGMLType("Q5_0", QK, 22, quantize_q5_0, dequantize_q5_0))
+Q5_1 = register(GGMLType("Q5_1", QK, 24, quantize_q5_1, dequantize_q5_1))
+Q8_0 = register(GGMLType("Q8_0", QK, 34, quantize_q8_0, dequantize_q8_0))

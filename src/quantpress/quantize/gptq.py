@@ -1,0 +1,368 @@
+"""GPTQ with act-order and EXL2's mixed-bit groups (exllamav2 0.3.2 ``conversion/adaptivegptq.py``).
+
+Reproduces exllamav2 0.3.2 ``conversion/adaptivegptq.py`` (``AdaptiveGPTQ.prepare`` /
+``quantize`` / ``quantize_rtn_inplace``, ``AdaptiveQuantizer.find_params``) and its CUDA
+helpers (``cuda/quantize.cu`` ``quantize_err_kernel`` and ``fused_quantize_adjust_kernel``,
+``cpp/quantize_func.cpp`` ``quantize_range``) in plain torch, on the weight's device.
+
+The quantizer works on Wᵀ (rows = the K inputs, columns = the N outputs) in float32, in
+32-row GPTQ blocks; :func:`gptq_quantize_many` runs several settings of one linear side by
+side (the EXL2 measurement), :func:`gptq_quantize` is the same code for one setting. The
+result holds the stored codes and per-group parameters that :func:`quantize.exl2.pack` turns
+into EXL2 tensors, and the fake-quantized fp16 weight that the next module is run with.
+Quantization is symmetric (implicit zero 2^(b-1)); scales are 4-bit square-law codes times a
+per-group fp16 maximum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from quantpress.quantize.exl2 import Group, QParams, pack
+from quantpress.quantize.ggml.common import single_threaded_ops
+
+#: Damping added to diag(H), as a fraction of its mean (exllamav2 ``percdamp``).
+PERCDAMP = 0.12
+#: Smallest damping added.
+MIN_DAMP = 1e-5
+#: Cholesky attempts, each after adding the damping once more.
+MAX_ATTEMPTS = 10
+#: Scale search: p runs over MIN_P..MAX_P in P_GRID steps; error norm |err|^ERR_NORM.
+MIN_P, MAX_P, P_GRID, ERR_NORM = 0.70, 1.20, 96, 3.5
+#: Elements per scale-search chunk ([p, rows, N] float32 scratch): on CPU 2^19 (2 MiB each,
+#: they stay in cache: 3-4x faster than 2^23 on a 2-core AMD EPYC, and the same sums bit for
+#: bit, checked for chunks of 2^17..2^23); elsewhere 2^23 (fewer kernel launches).
+_SEARCH_ELEMS_CPU = 1 << 19
+_SEARCH_ELEMS = 1 << 23
+
+
+@dataclass
+class GPTQResult:
+    """Output of :func:`gptq_quantize` (one per setting of :func:`gptq_quantize_many`) for a
+    linear with weight [N, K] and G groups.
+
+    ``qweight``    uint8 [K, N]: stored codes 0..2^b-1, rows in act-order (row i = input perm[i]);
+    ``qscale``     uint8 [G, N]: square-law scale codes 1..16 (q_scale stores qscale - 1);
+    ``qscale_max`` float16 [G]: the stored q_scale_max (group max scale, without the 1/256);
+    ``perm``       int64 [K]: act-order permutation (inputs by descending diag(H));
+    ``invperm``    int64 [K]: argsort(perm), stored as q_invperm;
+    ``weight``     float16 [N, K]: fake-quantized weight (deq[invperm].T), which equals
+                   :func:`quantize.exl2.reconstruct` of the packed tensors bit for bit;
+    ``qparams``, ``groups``: the settings and the group layout along the act-order rows.
+    """
+
+    qweight: torch.Tensor
+    qscale: torch.Tensor
+    qscale_max: torch.Tensor
+    perm: torch.Tensor
+    invperm: torch.Tensor
+    weight: torch.Tensor
+    qparams: QParams
+    groups: list[Group]
+
+    def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """EXL2 tensors {q_weight, q_scale, q_scale_max, q_groups, q_invperm[, bias]}; see
+        :func:`quantize.exl2.pack`."""
+        return pack(self.qweight, self.qscale, self.qscale_max, self.invperm, self.qparams, bias)
+
+
+def act_order(hessian: torch.Tensor) -> torch.Tensor:
+    """Act-order permutation: int64 [K], inputs sorted by descending diag(H) (float32 [K, K]),
+    ties in index order (exllamav2 ``prepare``: ``argsort(diag(H), descending=True)``)."""
+    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+
+
+def hessian_inverse_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) -> torch.Tensor:
+    """Upper Cholesky factor of the inverse of the damped Hessian: float32 [K, K].
+
+    ``hessian`` float32 [K, K] (already in act-order; not modified). Damping
+    ``max(percdamp·mean(diag H), 1e-5)`` is added to the diagonal; then
+    ``U = chol_upper(cholesky_inverse(chol(H)))``. When a factorisation fails or gives a
+    non-finite value, the damping is added again, at most 10 attempts (exllamav2 0.3.2
+    ``AdaptiveGPTQ.prepare``). Raises ValueError when all attempts fail.
+    """
+    h = hessian.to(torch.float32).clone()
+    damp = torch.clamp(percdamp * torch.diagonal(h).mean(), min=MIN_DAMP)
+    for _ in range(MAX_ATTEMPTS):
+        torch.diagonal(h).add_(damp)
+        chol, info = torch.linalg.cholesky_ex(h)
+        if int(info) != 0:
+            continue
+        # = torch.cholesky_inverse(chol); cholesky_solve is the same product L⁻ᵀL⁻¹ and ~10x
+        # faster on CPU (torch 2.x's CPU cholesky_inverse is slow)
+        inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
+        if not bool(torch.isfinite(inv).all()):
+            continue
+        upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+        if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            return upper
+    raise ValueError(f"Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite after "
+                     f"{MAX_ATTEMPTS} damping attempts")
+
+
+def p_grid(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 97 scale multipliers of the search, float32: p_i = 0.70·(1 − i/96) + 1.20·(i/96)."""
+    pi = torch.arange(P_GRID + 1, dtype=torch.float32, device=device) / P_GRID
+    return MIN_P * (1.0 - pi) + MAX_P * pi
+
+
+def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
+                       grid: torch.Tensor | None = None) -> torch.Tensor:
+    """E(p) = Σ_{rows,n} |clamp(rint(x/(cand·p)), −2^(b−1), 2^(b−1)−1)·cand·p − x|^3.5 for every
+    p of the grid (exllamav2 0.3.2 ``quantize_err_kernel``).
+
+    ``x`` float32 [rows, N], ``cand`` float32 [N] (candidate scales), ``grid`` float32 [P]
+    (default :func:`p_grid`). Returns float32 [P]. Vectorized over p, rows and columns at
+    once, in p-chunks of at most 2^19 elements on CPU, 2^23 on other devices (each E(p) is
+    summed whole inside one chunk, so the chunking does not change it).
+    """
+    if grid is None:
+        grid = p_grid(x.device)
+    z = float(1 << (bits - 1))
+    budget = _SEARCH_ELEMS_CPU if x.device.type == "cpu" else _SEARCH_ELEMS
+    rn, P = x.numel(), grid.numel()
+    per = min(P, max(1, budget // max(1, rn)))
+    # two scratch buffers for all chunks (fresh temporaries per op cost page faults: 2-3x)
+    e_buf = torch.empty(per * rn, dtype=torch.float32, device=x.device)
+    t_buf = torch.empty_like(e_buf)
+    out = torch.empty(P, dtype=torch.float32, device=x.device)
+    xb = x[None]
+    for i in range(0, P, per):
+        p = grid[i:i + per]
+        m = p.numel()
+        s = cand[None, None, :] * p[:, None, None]                   # [m, 1, N]
+        e = e_buf[:m * rn].view(m, *x.shape)
+        torch.div(xb, s, out=e)
+        e.round_().clamp_(-z, z - 1.0).mul_(s).sub_(xb).abs_()
+        e35 = t_buf[:m * rn].view(m, *x.shape)
+        torch.mul(e, e, out=e35)
+        e35.mul_(e).mul_(e.sqrt_())                                   # |err|^3.5
+        torch.sum(e35, dim=(1, 2), out=out[i:i + m])
+    return out
+
+
+def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale parameters of one group (exllamav2 0.3.2 ``AdaptiveQuantizer.find_params``).
+
+    ``x`` float32 [rows, N]: the group's current (error-updated) rows. Returns
+    ``(qscale, qscale_max, scale)``:
+
+    * ``qscale`` uint8 [N], 1..16: ``clamp(round(sqrt(base/smax)·16), 1, 16)`` with
+      ``base = (max|x| + 1e-12) / ((2^b − 1)/2)`` per column and ``smax = max(base)``;
+    * ``qscale_max`` float16 0-d: ``fp16(smax·p*)``, p* the first argmin of
+      :func:`scale_search_error` over the candidates ``(qscale/16)²·smax``;
+    * ``scale`` float16 [N]: the effective scale ``fp16(qscale²) × fp16(qscale_max × 1/256)``
+      (fp16 multiplies), the one the codes are made with and the kernel dequantizes with.
+    """
+    maxq = (1 << bits) - 1
+    xmax = x.abs().amax(dim=0) + 1e-12
+    base = xmax / (maxq / 2)
+    smax = base.max()
+    qs = torch.clamp(torch.round(torch.sqrt(base / smax) * 16.0), 1.0, 16.0)
+    cand = (qs / 16.0) ** 2 * smax
+    grid = p_grid(x.device)
+    best = torch.argmin(scale_search_error(x, cand, bits, grid))
+    qscale_max = (smax * grid[best]).to(torch.float16)
+    prescale = torch.tensor(1.0 / 256, dtype=torch.float16, device=x.device)
+    scale = (qs * qs).to(torch.float16) * (qscale_max * prescale)
+    return qs.to(torch.uint8), qscale_max, scale
+
+
+#: Rows per GPTQ block (lazy batch): the rows of a block are quantized one by one with updates
+#: inside the block; the rows after it get the block's error in one matmul. Every EXL2 group
+#: boundary (group sizes 32/64/128) falls on a block start.
+BLOCK = 32
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, qparams: QParams, *,
+                  rtn: bool = False, percdamp: float = PERCDAMP) -> GPTQResult:
+    """Quantize one linear to EXL2 with GPTQ and act-order (exllamav2 0.3.2 ``AdaptiveGPTQ``).
+
+    ``weight`` [N, K] (out_features, in_features), fp16/bf16/fp32, any device; ``hessian``
+    float [K, K] = mean over calibration rows of XᵀX (None: identity, as exllamav2 does
+    without data), moved to the weight's device; ``qparams`` the bit widths and groups.
+
+    Steps (exllamav2 0.3.2 ``AdaptiveGPTQ.prepare`` + ``quantize``): act-order permutation by
+    descending diag(H); damping and :func:`hessian_inverse_factor` (U, upper triangular);
+    then GPTQ over the rows in blocks of :data:`BLOCK` = 32 rows [a, a+32) (lazy batch;
+    :func:`gptq_quantize_many` with one setting, the same code):
+
+    * at a block start where a group [a, e) begins, :func:`find_params` on its current,
+      error-updated rows W[a:e] (all rows ≥ a then hold the error of every row before a);
+    * for each row c of the block (``quantize_range``): ``q = clamp(rint(W[c]/s) + 2^(b−1),
+      0, 2^b−1)``, ``deq = fp16(fp16(q − 2^(b−1))·s)``, ``err = (W[c] − deq)/U[c,c]``,
+      ``W[c+1:be] −= U[c, c+1:be]ᵀ·err`` (be = block end);
+    * after the block, ``W[be:] −= U[a:be, be:]ᵀ·err[a:be]`` (one matmul).
+
+    exllamav2 updates the rest of a group row by row and the rows after the group once per
+    group; the blocks give the same arithmetic up to the float rounding order. Every group
+    must start on a multiple of 32 rows (true for EXL2's group sizes 32/64/128; the last
+    group may end at any K), else ValueError.
+
+    ``rtn=True`` skips the error feedback (``quantize_rtn_inplace``, which exllamav2 uses for a
+    head over 1e9 weights): same act-order, groups and scales, codes by rounding.
+    Raises ValueError for bad shapes, non-finite input or a Hessian that cannot be factored.
+
+    On CPU the ops run with one intra-op thread (torch's setting is restored afterwards), as
+    quantize/ggml's codecs do: the thousands of small sequential ops of the GPTQ loop stall in
+    OpenMP spin-waits otherwise (a 2048x2048 layer: 5 s single-threaded, 23 s with 2 threads
+    on a busy 2-core machine).
+    """
+    return _run(weight, hessian, [qparams], rtn, percdamp)[0]
+
+
+def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
+                       qparams_list: Sequence[QParams], *,
+                       percdamp: float = PERCDAMP) -> list[GPTQResult]:
+    """Quantize one linear under S settings at once: ``[gptq_quantize(weight, hessian, qp)
+    for qp in qparams_list]``, bit for bit, in one pass (the EXL2 measurement quantizes every
+    linear under each of its ~14 distinct settings: exllamav2 0.3.2 ``conversion/measure.py``).
+
+    ``weight`` [N, K] (fp16/bf16/fp32, any device), ``hessian`` float [K, K] or None
+    (identity), ``qparams_list`` S ≥ 1 :class:`QParams` (duplicates allowed; each gets its
+    own result). Returns S :class:`GPTQResult`, in the order of ``qparams_list``.
+
+    Shared by all settings: the act-order permutation and the factor U of the damped inverse
+    Hessian (computed once). The S copies of Wᵀ (float32 [K, N] each, act-order rows) are
+    stacked side by side, ``W`` float32 [K, S·N] (columns s·N..s·N+N−1 = setting s), so each
+    row step of the GPTQ loop (see :func:`gptq_quantize`) is one op over all settings, with
+    per-column scale, zero point 2^(b−1) and maximum code 2^b−1 vectors [S·N]; the block
+    update is one [K−be, 32] × [32, S·N] matmul. At a block start, the settings whose group
+    starts there get :func:`find_params` on their own columns (a Python loop over those
+    settings only; settings whose groups so far are the same share one call, their columns
+    being equal). Every column's arithmetic is that of the single-setting run: the row
+    step is elementwise, and the two BLAS updates (``addr_`` in the block, ``addmm_`` after
+    it) compute each column from that column alone (tests/test_gptq_many.py checks the
+    results are bit-identical to separate runs).
+
+    Memory: about K·S·N·11 bytes (float32 W, float32 block error, fp16 deq, uint8 codes) plus
+    the S results. Raises ValueError for an empty list, a group that does not start on a
+    multiple of 32 rows, bad shapes, non-finite input or a Hessian that cannot be factored.
+    CPU ops run single-threaded, as in :func:`gptq_quantize`.
+    """
+    qps = list(qparams_list)
+    if not qps:
+        raise ValueError("gptq_quantize_many: qparams_list is empty")
+    return _run(weight, hessian, qps, False, percdamp)
+
+
+def _run(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QParams], rtn: bool,
+         percdamp: float) -> list[GPTQResult]:
+    """:func:`_gptq_many`, with single-threaded ops on CPU."""
+    if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+        with single_threaded_ops():
+            return _gptq_many(weight, hessian, qps, rtn, percdamp)
+    return _gptq_many(weight, hessian, qps, rtn, percdamp)
+
+
+def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QParams],
+               rtn: bool, percdamp: float) -> list[GPTQResult]:
+    """The quantizer behind :func:`gptq_quantize` and :func:`gptq_quantize_many` (see there):
+    S = len(qps) settings on the stacked float32 [K, S·N] Wᵀ; ``rtn`` skips the error feedback
+    (and the Hessian factor), quantizing each 32-row block at once."""
+    if weight.dim() != 2:
+        raise ValueError(f"gptq_quantize: weight must be 2-D [N, K], got {tuple(weight.shape)}")
+    N, K = weight.shape
+    S = len(qps)
+    dev = weight.device
+    for qp in qps:
+        if not isinstance(qp, QParams):
+            raise ValueError(f"gptq_quantize: settings must be QParams, got {type(qp).__name__}")
+    groups = [qp.groups(K) for qp in qps]
+    for qp, gs in zip(qps, groups):
+        for gi, g in enumerate(gs):
+            if g.start % BLOCK:
+                raise ValueError(f"gptq_quantize: setting {qp} at K={K}: group {gi} starts at row "
+                                 f"{g.start}, not a multiple of {BLOCK}; the {BLOCK}-row GPTQ "
+                                 f"blocks need every group boundary on a multiple of {BLOCK} rows")
+    W0 = weight.to(torch.float32).T
+    if not bool(torch.isfinite(W0).all()):
+        raise ValueError("gptq_quantize: weight has NaN or Inf values")
+    if hessian is None:
+        H = torch.eye(K, dtype=torch.float32, device=dev)
+    else:
+        if tuple(hessian.shape) != (K, K):
+            raise ValueError(f"gptq_quantize: Hessian shape {tuple(hessian.shape)}, expected "
+                             f"({K}, {K}) for weight [{N}, {K}]")
+        H = hessian.to(device=dev, dtype=torch.float32)
+        if not bool(torch.isfinite(H).all()):
+            raise ValueError("gptq_quantize: Hessian has NaN or Inf values")
+
+    perm = act_order(H)
+    invperm = torch.argsort(perm)
+    W = W0[perm].repeat(1, S)                     # fresh float32 [K, S·N], updated in place
+    del W0
+    U = None if rtn else hessian_inverse_factor(H[perm][:, perm], percdamp)
+    del H
+    SN = S * N
+    qweight = torch.empty((K, SN), dtype=torch.uint8, device=dev)
+    deq = torch.empty((K, SN), dtype=torch.float16, device=dev)
+    qscale = [torch.empty((len(gs), N), dtype=torch.uint8, device=dev) for gs in groups]
+    qscale_max = [torch.empty((len(gs),), dtype=torch.float16, device=dev) for gs in groups]
+    # per-column parameters of the current group of each setting
+    scale_h = torch.zeros(SN, dtype=torch.float16, device=dev)    # fp16 effective scale
+    scale = torch.zeros(SN, dtype=torch.float32, device=dev)      # the same in float32
+    zero = torch.zeros(SN, dtype=torch.float32, device=dev)       # 2^(b-1)
+    maxq = torch.zeros(SN, dtype=torch.float32, device=dev)       # 2^b - 1
+    starts: dict[int, list[tuple[int, int, Group]]] = {}
+    for s, gs in enumerate(groups):
+        for gi, g in enumerate(gs):
+            starts.setdefault(g.start, []).append((s, gi, g))
+    udiag = None if U is None else torch.diagonal(U)
+    err = torch.empty((BLOCK, SN), dtype=torch.float32, device=dev)
+    q = torch.empty(SN, dtype=torch.float32, device=dev)
+    zero_scale = False                           # an all-zero group somewhere: 0/0 below
+
+    for a in range(0, K, BLOCK):
+        be = min(a + BLOCK, K)
+        new = starts.get(a, ())
+        found: dict[tuple[Group, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for s, gi, g in new:
+            cols = slice(s * N, (s + 1) * N)
+            # settings with the same groups up to here have the same columns so far
+            prefix = tuple(groups[s][:gi + 1])
+            if prefix not in found:
+                found[prefix] = find_params(W[g.start:g.end, cols].contiguous(), g.bits)
+            qs, qmax, sc = found[prefix]
+            qscale[s][gi], qscale_max[s][gi] = qs, qmax
+            scale_h[cols] = sc
+            scale[cols] = sc.to(torch.float32)
+            zero[cols] = float(1 << (g.bits - 1))
+            maxq[cols] = float((1 << g.bits) - 1)
+        if new:
+            zero_scale = bool((scale_h == 0).any())
+        if rtn:
+            qb = torch.round(W[a:be] / scale).add_(zero).clamp_(min=0.0)
+            torch.minimum(qb, maxq, out=qb)
+            if zero_scale:
+                qb = torch.where(torch.isnan(qb), zero, qb)
+            qweight[a:be] = qb.to(torch.uint8)
+            deq[a:be] = (qb - zero).to(torch.float16) * scale_h
+            continue
+        for c in range(a, be):
+            w = W[c]
+            torch.div(w, scale, out=q)
+            q.round_().add_(zero).clamp_(min=0.0)
+            torch.minimum(q, maxq, out=q)
+            qc = torch.where(torch.isnan(q), zero, q) if zero_scale else q
+            qweight[c] = qc
+            dq = (qc - zero).to(torch.float16).mul_(scale_h)
+            deq[c] = dq
+            r = err[c - a]
+            torch.sub(w, dq.to(torch.float32), out=r)
+            r.div_(udiag[c])
+            if c + 1 < be:
+                W[c + 1:be].addr_(U[c, c + 1:be], r, alpha=-1.0)
+        if be < K:
+            W[be:].addmm_(U[a:be, be:].T, err[:be - a], alpha=-1.0)
+
+    deq = deq[invperm]
+    out = []
+    for s, qp in enumerate(qps):
+        cols = slice(s * N, (s + 1) * N)
+        out.append(GPTQResult(qweight=qweight[:, cols].contiguous(), qscale=qscale[s],
+                              qscale_max=qscale_max[s], perm=perm.clone(), invperm=invperm.clone(),
+                              weight=deq[:, cols].T.contiguous(), qparams=qp, groups=groups[s]))
+    return out

@@ -1,0 +1,24 @@
+"""Output targets (one per output kind) and the runner they share.
+
+Importing this package registers every target; :func:`produce` makes one verified output::
+
+    from quantpress.targets import AWQOptions, CalibOptions, Source, produce
+
+    src = Source("models/SmolLM2-135M-Instruct", calib=CalibOptions(samples=16, seqlen=256))
+    summary = produce(AWQOptions(group_size=64), src, "smollm2-awq-w4g64")
+    print(summary.text())
+
+A new output kind is an options dataclass and a :class:`~quantpress.targets.base.Target`
+subclass declared for it (``class MyTarget(Target, kind="my", options=MyOptions)``; see
+:mod:`.base`).
+"""
+from quantpress.targets.awq import AWQOptions
+from quantpress.targets.base import (CalibOptions, ComputeOptions, Run, Source, Summary, Target,
+                                     calibration_rows, produce)
+from quantpress.targets.exl2 import EXL2MeasurementOptions, EXL2Options
+from quantpress.targets.gguf import GGUFOptions
+from quantpress.targets.imatrix import ImatrixOptions
+
+__all__ = ["AWQOptions", "CalibOptions", "ComputeOptions", "EXL2MeasurementOptions", "EXL2Options",
+           "GGUFOptions", "ImatrixOptions", "Run", "Source", "Summary", "Target", "calibration_rows",
+           "produce"]

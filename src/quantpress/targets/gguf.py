@@ -1,0 +1,205 @@
+"""GGUF files: ``convert hf-to-gguf`` (an HF directory) and ``quantize gguf`` (requantizing an
+F32/F16/BF16 GGUF, llama-quantize's job), one target for both.
+
+The plan is the tensor list (name, shape, a loader), the metadata and one ggml type per
+tensor (:func:`quantpress.convert.gguf_policy.plan_types`, llama.cpp's
+``llama_tensor_get_type``); tensors are then read, quantized and written one at a time
+(:func:`quantpress.convert.gguf_file.write_gguf`) and the round trip re-reads the file with
+gguf-py (:func:`quantpress.convert.gguf_file.verify_gguf`).
+
+- From an HF directory the bytes equal ``convert_hf_to_gguf.py --outtype f16`` followed by
+  ``llama-quantize`` (llama.cpp as vendored in llama-cpp-python 0.3.36).
+- From a GGUF file the KVs are copied in order, then ``general.quantization_version`` and
+  ``general.file_type`` are appended last (llama-quantize's remove-then-append:
+  ``llama_model_quantize_impl`` ``gguf_set_kv`` + ``gguf_set_val_u32``), tensors come out in
+  llama-quantize's order (``weight_name_comparer``) with its types and bytes; an already
+  quantized tensor is refused, as llama-quantize does without ``--allow-requantize``.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
+from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, open_reader, reader_raw, verify_gguf,
+                                          write_gguf)
+from quantpress.convert.hf import HFModel
+from quantpress.errors import InputError, RoundTripError
+from quantpress.quantize import ggml
+from quantpress.targets.base import Run, Summary, Target
+
+#: ggml types of an input GGUF that ``quantize gguf`` accepts
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """``policy``: a llama.cpp ftype name (F32, F16, BF16, Q8_0, Q4_0 … Q4_K_M … Q6_K;
+    :data:`quantpress.convert.gguf_policy.POLICIES`)."""
+
+    policy: str = "F16"
+
+    def validate(self) -> None:
+        """InputError for a policy llama.cpp does not have (the message lists them)."""
+        if self.policy not in gguf_policy.POLICIES:
+            raise InputError(f"--policy {self.policy}: unknown; choose one of "
+                             f"{', '.join(gguf_policy.POLICIES)}")
+
+
+@dataclass
+class GGUFPlan:
+    """What will be written: ``arch``, ``kvs`` (after ``general.architecture``, in order),
+    ``tensors`` in output order and ``types`` (GGUF tensor name → ggml type name)."""
+
+    arch: str
+    kvs: list[tuple]
+    tensors: list[SourceTensor]
+    types: dict[str, str]
+
+
+def _model_params(arch: str, n_layer: int, n_head: int, n_head_kv: int | None, n_expert: int,
+                  tensors: list[SourceTensor]) -> gguf_policy.ModelParams:
+    return gguf_policy.ModelParams(arch=arch, n_layer=n_layer, n_head=n_head,
+                                   n_head_kv=n_head_kv or n_head, n_expert=n_expert or 0,
+                                   has_output=any(t.name == "output.weight" for t in tensors))
+
+
+def _in_quantize_order(tensors: list[SourceTensor]) -> list[SourceTensor]:
+    order = {n: i for i, n in enumerate(gguf_policy.tensor_order([t.name for t in tensors]))}
+    return sorted(tensors, key=lambda t: order[t.name])
+
+
+def plan_from_hf(model_dir: Path, policy: str) -> GGUFPlan:
+    """The plan of ``convert_hf_to_gguf.py`` + ``llama-quantize`` for an HF llama / qwen2 /
+    qwen3 directory: metadata from transformers' parsed config and the tokenizer, tensors
+    renamed and transformed as the converter does (Q/K permutation for llama), generated
+    tensors (rope factors) first. Raises InputError for an invalid directory, config or
+    tokenizer, an unsupported architecture or an unknown tensor (naming it)."""
+    model = HFModel(model_dir)  # validates config.json and the safetensors files
+    cfg = gguf_arch.load_hf_config(model.dir)
+    arch = gguf_arch.gguf_arch(cfg)
+    kvs = (gguf_arch.model_metadata(cfg, model.dir, arch, gguf_policy.ftype_id(policy))
+           + gguf_tokenizer.tokenizer_metadata(model.dir, cfg, arch))
+    tensors = [SourceTensor(name, tuple(t.shape), (lambda t=t: t))
+               for name, t in gguf_arch.generated_tensors(cfg, arch)]
+    for hf_name in model.names:
+        if gguf_arch.is_skipped_tensor(hf_name):
+            continue
+        name = gguf_arch.gguf_tensor_name(hf_name, arch, n_layers=cfg["num_hidden_layers"])
+
+        def load(hf_name=hf_name):
+            return gguf_arch.transform_tensor(hf_name, model.tensor(hf_name), cfg, arch)
+        tensors.append(SourceTensor(name, model.shape(hf_name), load))
+    params = _model_params(arch, cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                           cfg.get("num_key_value_heads"),
+                           cfg.get("num_local_experts") or cfg.get("num_experts") or 0, tensors)
+    types = gguf_policy.plan_types(policy, [(t.name, t.shape) for t in tensors], params)
+    if not gguf_policy.is_float_policy(policy):  # llama-quantize's output order
+        tensors = _in_quantize_order(tensors)
+    return GGUFPlan(arch, kvs, tensors, types)
+
+
+def _reader_kvs(reader: GGUFReader) -> list[tuple]:
+    """The input's KVs in order, minus the ones the writer or the policy sets."""
+    skip = {"general.architecture", "general.file_type", "general.quantization_version",
+            "split.no", "split.count", "split.tensors.count"}
+    out = []
+    for key, f in reader.fields.items():
+        if key in skip or key.startswith("GGUF."):
+            continue
+        vtype = GGUFValueType(f.types[0])
+        sub = GGUFValueType(f.types[1]) if vtype == GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype, sub))
+    return out
+
+
+def plan_from_gguf(src: Path, policy: str) -> GGUFPlan:
+    """The plan of ``llama-quantize SRC OUT POLICY`` for an F32/F16/BF16 GGUF file. Raises
+    InputError for a file gguf-py cannot read, no ``general.architecture``, or a tensor that
+    is already quantized (naming it)."""
+    src = Path(src)
+    reader = open_reader(src)
+    field_arch = reader.get_field("general.architecture")
+    if field_arch is None:
+        raise InputError(f"{src}: no general.architecture key")
+    arch = field_arch.contents()
+
+    def kv(key, default=None):
+        f = reader.get_field(f"{arch}.{key}")
+        return f.contents() if f is not None else default
+
+    tensors = []
+    for rt in reader.tensors:
+        tname = GGMLQuantizationType(rt.tensor_type).name
+        shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+        if tname not in FLOAT_TYPES:
+            raise InputError(f"{src}: tensor '{rt.name}' is already quantized ({tname}); "
+                             "requantizing is not supported, start from an F32/F16/BF16 file")
+
+        def load(rt=rt, tname=tname, shape=shape):
+            return ggml.dequantize(torch.from_numpy(reader_raw(rt).copy()), tname).reshape(shape)
+        tensors.append(SourceTensor(rt.name, shape, load))
+    params = _model_params(arch, kv("block_count"), kv("attention.head_count"),
+                           kv("attention.head_count_kv"), kv("expert_count", 0), tensors)
+    types = gguf_policy.plan_types(policy, [(t.name, t.shape) for t in tensors], params)
+    kvs = _reader_kvs(reader) + [
+        ("general.quantization_version", 2, GGUFValueType.UINT32, None),
+        ("general.file_type", gguf_policy.ftype_id(policy), GGUFValueType.UINT32, None)]
+    return GGUFPlan(arch, kvs, _in_quantize_order(tensors), types)
+
+
+class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
+    """A GGUF file from an HF directory or an F32/F16/BF16 GGUF (:class:`GGUFOptions`)."""
+
+    def prepare(self, run: Run) -> None:
+        with run.stage("prepare"):
+            self.device = self.source.device
+            p, policy = self.source.path, self.options.policy
+            self.plan = plan_from_gguf(p, policy) if p.is_file() else plan_from_hf(p, policy)
+
+    def write(self, tmp: Path, run: Run) -> None:
+        pl = self.plan
+        with run.stage("quantize+write"):
+            write_gguf(tmp, pl.arch, pl.kvs, pl.tensors, pl.types, self.device,
+                       progress=lambda it: run.bar(it, self.options.policy, "tensor"))
+
+    def verify(self, tmp: Path, run: Run) -> str:
+        pl = self.plan
+        self.roundtrip: RoundTrip = verify_gguf(tmp, pl.tensors, pl.types, self.device,
+                                                progress=lambda it: run.bar(it, "verify", "tensor"))
+        rt = self.roundtrip
+        if not rt.ok:
+            raise RoundTripError("round-trip check failed, no output written: "
+                                 + "; ".join(rt.mismatches[:5]))
+        return (f"ok: {len(rt.tensors)} tensors re-read with gguf-py, dequantized "
+                f"bit-identically by gguf-py and quantpress")
+
+    def summary(self, out: Path, roundtrip: str, run: Run) -> Summary:
+        rt, types = self.roundtrip, self.plan.types
+        counts = dict(sorted(Counter(types.values()).items()))
+        n_el = sum(t.numel for t in self.plan.tensors)
+        lines = [f"tensors    {len(types)}: " + ", ".join(f"{k} x{v}" for k, v in counts.items())]
+        finite = [t for t in rt.tensors if math.isfinite(t.snr_db)]
+        worst = min(finite, key=lambda t: t.snr_db) if finite else None
+        overall = None
+        if rt.tensors:
+            se = sum(t.rmse ** 2 * math.prod(t.shape) for t in rt.tensors)
+            overall = math.sqrt(se / max(1, n_el))
+            lines.append(f"error      overall RMSE {overall:.3e}, max |err| "
+                         f"{max(t.max_abs_err for t in rt.tensors):.3e}"
+                         + (f", lowest SNR {worst.snr_db:.1f} dB ({worst.name}, {worst.type})"
+                            if worst else ", lossless"))
+        details = {
+            "policy": self.options.policy, "type_counts": counts, "rmse": overall,
+            "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "bytes": t.n_bytes,
+                         "bpw": t.bpw, "rmse": t.rmse, "max_abs_err": t.max_abs_err,
+                         "snr_db": t.snr_db if math.isfinite(t.snr_db) else None}
+                        for t in rt.tensors]}
+        return Summary(self.kind, self.options.policy, out, str(self.source.path),
+                       tensor_bytes=sum(t.n_bytes for t in rt.tensors), parameters=n_el,
+                       roundtrip=roundtrip, details=details, lines=lines)

@@ -1,0 +1,123 @@
+"""The installable package: the wheel holds one top-level package, ``quantpress``, and a fresh
+virtual environment with the runtime dependencies only runs the commands without any file of
+the repository at hand.
+
+The fresh environment is installed offline (``pip install --no-index``) from a wheelhouse of
+the pinned runtime dependencies (scripts/constraints.txt) that is downloaded once into the
+cache (``pip download``; pip's own cache makes that fast after scripts/setup.sh)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import make
+from quantpress import assets
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pip(*args, python=sys.executable, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, **kw)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """``pip wheel .`` of this checkout (no dependencies, this environment's setuptools)."""
+    d = tmp_path_factory.mktemp("wheel")
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(d), str(REPO))
+    (whl,) = d.glob("quantpress-*.whl")
+    return whl
+
+
+def test_wheel_has_one_top_level_package(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    top = {n.split("/", 1)[0] for n in names}
+    info = [t for t in top if t.endswith(".dist-info")]
+    assert len(info) == 1 and info[0].startswith("quantpress-")
+    assert top - set(info) == {"quantpress"}, sorted(top)
+    # the data and every layer are in it; the repository's scripts and tests are not
+    for must in ("quantpress/configs/gguf_policies.toml", "quantpress/assets.py",
+                 "quantpress/targets/base.py", "quantpress/cli/convert_main.py", "quantpress/__main__.py"):
+        assert must in names, must
+    meta = zipfile.ZipFile(wheel).read(f"{info[0]}/METADATA").decode()
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    runtime = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in runtime if "llama" in r or "pytest" in r or "gptqmodel" in r], runtime
+    assert any("llama-cpp-python" in r and 'extra == "test"' in r for r in requires)
+    entry = zipfile.ZipFile(wheel).read(f"{info[0]}/entry_points.txt").decode()
+    assert "convert = quantpress.cli.convert_main:main" in entry
+    assert "quantize = quantpress.cli.quantize_main:main" in entry
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(wheel) -> Path:
+    """The runtime dependencies of the wheel at the pinned versions, downloaded once."""
+    constraints = (REPO / "scripts" / "constraints.txt").read_bytes()
+    key = hashlib.sha256(constraints + (REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    d = assets.cache_root() / "wheelhouse" / key
+    stamp = d / ".complete"
+    if not stamp.is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        _pip("download", "-q", "-d", str(d), "-c", str(REPO / "scripts" / "constraints.txt"),
+             str(wheel), timeout=1800)
+        for f in d.glob("quantpress-*"):
+            f.unlink()
+        stamp.write_text("ok")
+    return d
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory, wheel, wheelhouse) -> Path:
+    """A new virtual environment with the wheel and its runtime dependencies only."""
+    v = tmp_path_factory.mktemp("venv") / "v"
+    subprocess.run([sys.executable, "-m", "venv", str(v)], check=True)
+    _pip("install", "-q", "--no-index", "--no-compile", "--find-links", str(wheelhouse), str(wheel),
+         python=v / "bin" / "python")
+    return v
+
+
+def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
+    """From an empty directory (no repository file importable): ``convert hf-to-gguf`` gives the
+    same bytes as this checkout, and ``quantize imatrix`` finds its default calibration text
+    through the installed package's assets."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    bin_ = fresh_venv / "bin"
+    probe = subprocess.run([str(bin_ / "python"), "-c",
+                            "import importlib.util as u, quantpress; print(quantpress.__file__); "
+                            "print([m for m in ('llama_cpp', 'pytest', 'gptqmodel') if u.find_spec(m)])"],
+                           cwd=work, env=env, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    where, test_stack = probe.stdout.splitlines()
+    assert where.startswith(str(fresh_venv)) and test_stack == "[]", probe.stdout
+
+    out = work / "tiny-Q4_K_M.gguf"
+    p = subprocess.run([str(bin_ / "convert"), "hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M",
+                        "-o", str(out), "--quiet", "--json", "--device", "cpu"],
+                       cwd=work, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["roundtrip"].startswith("ok")
+    here = make.gguf(tiny_llama_dir, tmp_path / "here.gguf", "Q4_K_M")
+    assert here.roundtrip.startswith("ok") and out.read_bytes() == (tmp_path / "here.gguf").read_bytes()
+
+    p = subprocess.run([str(bin_ / "quantize"), "imatrix", str(tiny_llama_dir), "-o", "im.gguf",
+                        "--samples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--json"],
+                       cwd=work, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    assert s["details"]["datasets"] == ["exllamav2-0.3.2 standard_cal_data/wiki.utf8 (articles 0-1799)"]
+    p = subprocess.run([str(bin_ / "python"), "-m", "quantpress", "awq", str(tiny_llama_dir), "-o",
+                        "awq", "--rtn", "--group-size", "64", "--quiet"], cwd=work, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "round trip ok" in p.stdout, p.stderr[-3000:]

@@ -1,0 +1,56 @@
+"""``quantize gguf`` (requantizing an F16 GGUF, llama-quantize's job) against llama.cpp itself:
+on llama.cpp's own F16 conversions, every tensor's type and bytes, the tensor order and the KVs
+(keys, types, values, order) equal ``llama_model_quantize``'s output; an already quantized
+input is refused, naming the tensor, and nothing is written."""
+from __future__ import annotations
+
+import pytest
+
+import llamacpp_tools
+import make
+from quantpress.cli.quantize_main import main as quantize_main
+from refs import kvs_of, ref_convert, ref_quantize, tensors_of
+
+
+@pytest.fixture(scope="module")
+def f16(tmp_path_factory, llamacpp_src, synth_qwen3_dir):
+    """llama.cpp's F16 files: SmolLM2 (tied embeddings, 576-wide rows with fallbacks) and the
+    synthetic qwen3 (q/k norms, GQA)."""
+    d = tmp_path_factory.mktemp("requant_f16")
+    return {"smollm2": llamacpp_tools.smollm2_gguf("f16"),
+            "qwen3": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-f16.gguf")}
+
+
+@pytest.mark.parametrize("model,policy", [("smollm2", "Q4_K_M"), ("qwen3", "Q3_K_S"),
+                                          ("qwen3", "Q5_K_M"), ("qwen3", "Q4_0")])
+def test_requantize_equals_llama_quantize(f16, tmp_path, model, policy):
+    src = f16[model]
+    ref = ref_quantize(src, tmp_path / "ref.gguf", policy)
+    s = make.gguf(src, tmp_path / "ours.gguf", policy)
+    assert s.roundtrip.startswith("ok") and s.kind == "gguf" and s.target == policy
+    ours_t, ref_t = tensors_of(tmp_path / "ours.gguf"), tensors_of(ref)
+    assert list(ours_t) == list(ref_t)  # llama-quantize's order
+    for name, (rtype, rshape, rdata) in ref_t.items():
+        otype, oshape, odata = ours_t[name]
+        assert (otype, oshape) == (rtype, rshape), name
+        assert odata == rdata, f"{name} ({otype}): bytes differ from llama-quantize"
+    ours_kv, ref_kv = kvs_of(tmp_path / "ours.gguf"), kvs_of(ref)
+    assert list(ours_kv) == list(ref_kv)  # same keys in the same order
+    for k, (types, value) in ref_kv.items():
+        assert ours_kv[k][0] == types, k
+        assert ours_kv[k][1] == value, k
+    assert (tmp_path / "ours.gguf").stat().st_size == ref.stat().st_size
+
+
+def test_already_quantized_input_is_refused(tmp_path, capsys):
+    q8 = llamacpp_tools.smollm2_gguf("q8_0")
+    capsys.readouterr()  # llama.cpp's log, if it made the file just now
+    out = tmp_path / "o.gguf"
+    assert quantize_main(["gguf", str(q8), "--policy", "Q4_K_M", "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor 'token_embd.weight' is already quantized (Q8_0)" in err[0], err
+    assert "start from an F32/F16/BF16 file" in err[0]
+    assert list(tmp_path.iterdir()) == []
+    assert quantize_main(["gguf", str(tmp_path / "none.gguf"), "--policy", "Q4_K_M", "-o", str(out),
+                          "--quiet"]) == 2
+    assert "none.gguf: no such file" in capsys.readouterr().err

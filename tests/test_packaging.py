@@ -88,8 +88,8 @@ def fresh_venv(tmp_path_factory, wheel, wheelhouse) -> Path:
 
 def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
     """From an empty directory (no repository file importable): ``convert hf-to-gguf`` gives the
-    same bytes as this checkout, and ``quantize imatrix`` finds its default calibration text
-    through the installed package's assets."""
+    same bytes as this checkout; ``quantize imatrix``, ``awq``, ``exl2`` and ``eval`` run, finding
+    their default calibration and evaluation text through the installed package's assets."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -117,7 +117,16 @@ def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout)
     assert s["details"]["datasets"] == ["exllamav2-0.3.2 standard_cal_data/wiki.utf8 (articles 0-1799)"]
+    cal = ["--samples", "2", "--seqlen", "32", "--device", "cpu", "--quiet"]
     p = subprocess.run([str(bin_ / "python"), "-m", "quantpress", "awq", str(tiny_llama_dir), "-o",
-                        "awq", "--rtn", "--group-size", "64", "--quiet"], cwd=work, env=env,
+                        "awq", "--group-size", "64", *cal], cwd=work, env=env,
                        capture_output=True, text=True)
     assert p.returncode == 0 and "round trip ok" in p.stdout, p.stderr[-3000:]
+    p = subprocess.run([str(bin_ / "quantize"), "exl2", str(tiny_llama_dir), "-o", "exl2", "--bpw", "4.0",
+                        *cal], cwd=work, env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "round trip ok" in p.stdout, p.stderr[-3000:]
+    p = subprocess.run([str(bin_ / "quantize"), "eval", str(tiny_llama_dir), "awq", "exl2", "tiny-Q4_K_M.gguf",
+                        "--ctx", "64", "--chunks", "2", "--device", "cpu", "--quiet", "--json"],
+                       cwd=work, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [m["kind"] for m in json.loads(p.stdout)["models"]] == ["hf", "awq", "exl2", "gguf"]

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -423,18 +422,6 @@ def target_for(options: Any) -> type[Target]:
         raise TypeError(f"no output target for options of type {type(options).__name__}") from None
 
 
-def options_from(options_type: type, values: dict, where: str = "options") -> Any:
-    """Build ``options_type`` from a dict (a batch job's table): unknown keys are refused with
-    InputError naming ``where`` and the key; values are checked by ``validate()``."""
-    known = {f.name for f in fields(options_type)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise InputError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
-    opts = options_type(**values)
-    opts.validate()
-    return opts
-
-
 def check_output(out: Path, is_dir: bool, force: bool) -> None:
     """Refuse an existing ``out`` without ``force``, a missing or unwritable parent directory,
     and a directory where a file is expected (InputError naming the path)."""
@@ -512,18 +499,3 @@ def produce(options: Any, source: Source | str | Path, out: str | Path, *, force
     s.stages = dict(run.stages)
     s.seconds = time.perf_counter() - t0
     return s
-
-
-def to_jsonable(x: Any) -> Any:
-    """Dataclasses, paths and non-finite floats as JSON values (None for inf/nan)."""
-    if hasattr(x, "__dataclass_fields__"):
-        return to_jsonable(asdict(x))
-    if isinstance(x, dict):
-        return {str(k): to_jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [to_jsonable(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x

@@ -113,11 +113,11 @@ def test_failed_measurement_round_trip_is_exit_3(tiny_llama_dir, tmp_path, capsy
 
     real = mfile.write_measurement
 
-    def lossy(path, measurement, last):
+    def lossy(path, measurement, last, **kw):
         key = next(iter(measurement))
         measurement = dict(measurement)
         measurement[key] = [dict(o, accuracy=round(o["accuracy"], 3)) for o in measurement[key]]
-        return real(path, measurement, last)
+        return real(path, measurement, last, **kw)
 
     monkeypatch.setattr(mfile, "write_measurement", lossy)
     assert quantize_main(["exl2", str(tiny_llama_dir), "--measure-only", str(tmp_path / "m.json"),

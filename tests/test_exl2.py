@@ -422,7 +422,18 @@ def test_full_run_qwen2_biases(models, tmp_path, capsys):
                           "--measurement", str(out / "measurement.json")] + CAL) == 0
     s2 = json.loads(capsys.readouterr().out)
     assert "measurement" not in s2["stages"] and 3.95 <= s2["details"]["decoder_bpw"] <= 4.0
-    assert not (out2 / "measurement.json").exists()
+    # the content shares come from the file (no forward pass of their own), and the directory
+    # carries the measurement it used
+    assert set(m[mfile.CONTENT_KEY]) == {"model.layers.0.self_attn", "model.layers.0.mlp"}
+    assert "allocation_forward" not in s2["details"]["detail"]
+    assert (out2 / "measurement.json").read_bytes() == (out / "measurement.json").read_bytes()
+    # measured here or reused: the same directory, byte for byte
+    out3 = tmp_path / "q3"
+    assert quantize_main(["exl2", str(models["qwen2"]), "--bpw", "4.0", "-o", str(out3), "--quiet"] + CAL) == 0
+    files = sorted(p.relative_to(out2) for p in out2.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(out3) for p in out3.rglob("*") if p.is_file())
+    for f in files:
+        assert (out2 / f).read_bytes() == (out3 / f).read_bytes(), f
 
 
 def test_failed_roundtrip_leaves_nothing(models, measured, tmp_path, monkeypatch, capsys):

@@ -19,9 +19,7 @@ parser against GGUFReader.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-import struct
 import subprocess
 import sys
 from collections import Counter
@@ -124,9 +122,7 @@ def read_gguf_with_reader(path: Path) -> GGUFInfo:
         n_expert=int(field(f"{arch}.expert_count", 0)),
         has_output="output.weight" in types,
     )
-    info = GGUFInfo(order, types, shapes, params, field("general.file_type"))
-    del r
-    return info
+    return GGUFInfo(order, types, shapes, params, field("general.file_type"))
 
 
 def convert_hf(llamacpp_src: Path, model_dir: Path, out: Path, outtype: str) -> Path:

@@ -11,7 +11,7 @@ import quantpress
 PACKAGE = Path(quantpress.__file__).resolve().parent
 #: bottom to top; a module may import from its own layer and the layers below
 LAYERS = {"errors": 0, "runtime": 0, "assets": 0, "configs": 0, "quantize": 1, "calibration": 2,
-          "convert": 3, "targets": 4, "cli": 5, "__main__": 5, "__init__": 5}
+          "convert": 3, "targets": 4, "batch": 4, "cli": 5, "__main__": 5, "__init__": 5}
 
 
 def _layer(module: str) -> int:

@@ -315,7 +315,7 @@ class LayerQuantizer:
         MSE between the group's inspect module's output with fake-quantized scaled weights and
         its output with the original weights (``t16``) over all captured inputs (``caches``),
         run through ``ctx`` (the engine's :class:`~quantpress.calibration.engine.LayerContext`).
-        The layer's weights are restored afterwards."""
+        The layer's own weight tensors are put back afterwards."""
         o = self.opts
         x = caches[self.spec.input_of(g.layers[0])]
         n_tok = x.shape[0] * x.shape[1]
@@ -327,6 +327,7 @@ class LayerQuantizer:
         y0 = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what).clamp(-FP16_MAX, FP16_MAX)
         mods = [layer.get_submodule(n) for n in g.layers]
         dtype = mods[0].weight.dtype
+        originals = [m.weight.data for m in mods]
         best, best_loss = None, float("inf")
         try:
             for k in range(qawq.N_GRID):
@@ -338,9 +339,9 @@ class LayerQuantizer:
                 del y
                 if loss < best_loss:
                     best, best_loss = s.clone(), loss
-        finally:
-            for m, w in zip(mods, w_orig):
-                m.weight.data = w.to(dtype)
+        finally:  # the layer's own tensors back: other consumers of the pass read them
+            for m, w in zip(mods, originals):
+                m.weight.data = w
         if best is None:  # every loss was NaN: keep the identity
             best = torch.ones_like(x_mean)
         return best

@@ -552,3 +552,55 @@ def _remove(handle) -> None:
             h.remove()
     else:
         handle.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# Several consumers of one reference pass
+
+class FanOut:
+    """Several consumers of one streamed pass over the reference (unquantized) hidden states:
+    each consumer is an object with optional ``hooks(index, layer)`` (capture hooks, as a
+    ``hooks_factory``) and ``on_layer(index, layer, inputs, outputs, ctx)``. Pass
+    :meth:`hooks` and :meth:`on_layer` to :func:`run`: every consumer's hooks see the same
+    forward of each layer, then each consumer's ``on_layer`` runs in order.
+
+    Consumers of a shared pass must leave what the others read as they found it: the layer's
+    parameters (a consumer that swaps weights restores the original tensors), ``inputs`` and
+    ``outputs``; their ``on_layer`` must return None (the next layer gets the reference
+    output). :meth:`on_layer` checks the return value and that the layer's parameters are the
+    same tensors afterwards (ValueError naming the consumer otherwise)."""
+
+    def __init__(self, consumers):
+        self.consumers = list(consumers)
+
+    def hooks(self, index: int, layer: nn.Module) -> list:
+        """The consumers' hook handles of layer ``index``, as one list (the engine removes
+        them after the layer's forward)."""
+        handles = []
+        for c in self.consumers:
+            f = getattr(c, "hooks", None)
+            if f is None:
+                continue
+            h = f(index, layer)
+            if h is None:
+                continue
+            handles.extend(h if isinstance(h, (list, tuple)) else [h])
+        return handles
+
+    def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
+                 ctx: LayerContext) -> None:
+        """Each consumer's ``on_layer``, in order; returns None."""
+        params = {k: (p.data_ptr(), p.dtype, tuple(p.shape)) for k, p in layer.named_parameters()}
+        for c in self.consumers:
+            f = getattr(c, "on_layer", None)
+            if f is None:
+                continue
+            if f(index, layer, inputs, outputs, ctx) is not None:
+                raise ValueError(f"{type(c).__name__}.on_layer returned hidden states in a shared "
+                                 f"reference pass")
+            now = {k: (p.data_ptr(), p.dtype, tuple(p.shape)) for k, p in layer.named_parameters()}
+            if now != params:
+                changed = sorted(k for k in params if now.get(k) != params[k])
+                raise ValueError(f"{type(c).__name__}.on_layer left decoder layer {index}'s "
+                                 f"parameters {changed[:3]} changed in a shared reference pass")
+        return None

@@ -57,6 +57,11 @@ VALID_BITS = frozenset({2, 3, 4, 5, 6, 8})
 SCALE_BITS = 4
 BITS_PROP_TOL = 1e-4
 
+#: measurement.json key (ignored by exllamav2, which reads only "measurement" and
+#: "last_module_idx") holding each module output's content share ρ, the weights of the
+#: "content" allocation objective, so that reusing the file allocates exactly as measuring did
+CONTENT_KEY = "quantpress_content_share"
+
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.([A-Za-z_]+)$")
 
 CostFn = Callable[[Mapping[str, Any], str], int]
@@ -329,6 +334,14 @@ def validate_schema(obj, *, source: str = "measurement.json", expect_layers: int
         linears = MODE_LINEARS[key.rsplit(".", 1)[1]]
         for i, opt in enumerate(meas[key]):
             _check_option(src, opt, key, i, linears, cost)
+    shares = obj.get(CONTENT_KEY)
+    if shares is not None:
+        if not isinstance(shares, dict) or set(shares) != set(slot_keys(n_layers)):
+            raise InputError(f'{src}: "{CONTENT_KEY}": expected an object with a number for each '
+                             f'of the {2 * n_layers} measured modules')
+        for key, v in shares.items():
+            if not _is_num(v) or not 0.0 < v <= 1.0:
+                raise InputError(f'{src}: "{CONTENT_KEY}"["{key}"]: {v!r} is not a share in (0, 1]')
     return n_layers
 
 
@@ -339,12 +352,14 @@ def validate_schema(obj, *, source: str = "measurement.json", expect_layers: int
 @dataclass(frozen=True)
 class Measurement:
     """A validated measurement: ``modules`` is the JSON ``measurement`` object (slot key → list
-    of option dicts, or None for unmeasured modules), ``last_module_idx`` as in the file and
-    ``num_layers`` the decoder layer count L."""
+    of option dicts, or None for unmeasured modules), ``last_module_idx`` as in the file,
+    ``num_layers`` the decoder layer count L and ``content_share`` the file's
+    :data:`CONTENT_KEY` (slot key → ρ) when it has one."""
 
     modules: dict
     last_module_idx: int
     num_layers: int
+    content_share: dict | None = None
 
     def slot_keys(self) -> list[str]:
         """The 2·L slot keys in optimizer order (layer 0 attn, layer 0 mlp, …)."""
@@ -367,7 +382,10 @@ class Measurement:
 
     def to_json(self) -> dict:
         """The file's top-level object."""
-        return {"measurement": self.modules, "last_module_idx": self.last_module_idx}
+        obj = {"measurement": self.modules, "last_module_idx": self.last_module_idx}
+        if self.content_share is not None:
+            obj[CONTENT_KEY] = self.content_share
+        return obj
 
 
 def _json_default(x):
@@ -380,11 +398,15 @@ def _json_default(x):
 
 
 def measurement_text(measurement: Mapping[str, Any], last_module_idx: int,
-                     source: str = "measurement") -> str:
+                     source: str = "measurement", content_share: Mapping[str, float] | None = None) -> str:
     """The text of measurement.json as exllamav2 0.3.2 writes it (``json.dumps({"measurement":
-    ..., "last_module_idx": ...}, indent=4)``; numpy scalars as numbers), validated by
-    :func:`validate_schema`. Raises InputError naming ``source`` when it does not validate."""
+    ..., "last_module_idx": ...}, indent=4)``; numpy scalars as numbers), with the content
+    shares under :data:`CONTENT_KEY` last when given (slot key → ρ, in slot order), validated
+    by :func:`validate_schema`. Raises InputError naming ``source`` when it does not validate."""
     obj = {"measurement": dict(measurement), "last_module_idx": last_module_idx}
+    if content_share is not None:
+        n = sum(1 for k in measurement if k.endswith(".self_attn"))
+        obj[CONTENT_KEY] = {k: content_share[k] for k in slot_keys(n) if k in content_share}
     try:
         text = json.dumps(obj, indent=4, default=_json_default)
     except (TypeError, ValueError) as e:
@@ -394,7 +416,7 @@ def measurement_text(measurement: Mapping[str, Any], last_module_idx: int,
 
 
 def write_measurement(path: str | os.PathLike, measurement: Mapping[str, Any],
-                      last_module_idx: int) -> Path:
+                      last_module_idx: int, content_share: Mapping[str, float] | None = None) -> Path:
     """Validate and write ``{"measurement": measurement, "last_module_idx": last_module_idx}``
     to ``path`` as exllamav2 0.3.2 does (``json.dumps(..., indent=4)``), through a temporary
     file in the same directory that is renamed over ``path`` (no partial file on failure).
@@ -405,7 +427,7 @@ def write_measurement(path: str | os.PathLike, measurement: Mapping[str, Any],
     not writable. Returns ``path``.
     """
     path = Path(path)
-    text = measurement_text(measurement, last_module_idx, source=str(path))
+    text = measurement_text(measurement, last_module_idx, source=str(path), content_share=content_share)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # mode as umask allows
@@ -452,4 +474,4 @@ def read_measurement(path: str | os.PathLike, expect_layers: int | None = None,
     if cost is None and expect_shapes is not None:
         cost = module_cost_fn(expect_shapes)
     n = validate_schema(obj, source=str(path), expect_layers=expect_layers, cost=cost)
-    return Measurement(obj["measurement"], int(obj["last_module_idx"]), n)
+    return Measurement(obj["measurement"], int(obj["last_module_idx"]), n, obj.get(CONTENT_KEY))

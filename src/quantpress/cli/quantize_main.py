@@ -5,6 +5,7 @@
   quantize awq MODEL -o OUT_DIR [--group-size 128] [--rtn] [--no-clip]
   quantize exl2 MODEL --bpw 4.25 -o OUT_DIR [--head-bits 6] [--measurement FILE | --measure-only FILE]
   quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
+  quantize batch JOBS.toml -o OUT_ROOT [--dry-run] [--device cpu] [--force] [--json]
 """
 from __future__ import annotations
 
@@ -86,6 +87,20 @@ def add_verbs(sub) -> None:
     e.add_argument("--json", action="store_true", help="print the results as JSON")
     common.verb_options(e, _eval)
 
+    b = sub.add_parser("batch", help="many outputs of many models from one TOML job file, sharing "
+                                     "one load and one calibration pass per model; resumable")
+    b.add_argument("jobs", help="job file (TOML: [defaults] and [[model]] entries)")
+    b.add_argument("-o", "--output", required=True, help="OUT_ROOT: outputs go to OUT_ROOT/<name>/")
+    b.add_argument("--dry-run", action="store_true",
+                   help="check the job file and print the plan (outputs, estimated disk and memory)")
+    b.add_argument("--force", action="store_true",
+                   help="overwrite output paths that this batch did not make")
+    b.add_argument("--json", action="store_true", help="print the closing table as JSON")
+    b.add_argument("--device", default=None, help="override every model's device (auto, cpu, cuda, cuda:N)")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    common.add_debug(b)
+    b.set_defaults(run=_batch)
+
 
 def _gguf(args) -> int:
     from quantpress.targets import GGUFOptions
@@ -136,6 +151,35 @@ def _eval(args) -> int:
                  common.compute_options(args), progress=not args.quiet)
     print(json.dumps(r.to_json(), indent=1) if args.json else r.text_table())
     return 0
+
+
+def _batch(args) -> int:
+    from quantpress.batch import jobfile, runner
+
+    jobs = jobfile.read_jobs(args.jobs, args.output, device=args.device)
+    if args.dry_run:
+        plans = [runner.plan_model(j, Path(args.output), args.force) for j in jobs]
+        print(runner.plan_text(plans))
+        return 0
+    bar = None
+    if not args.quiet:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(j.outputs) for j in jobs), desc="batch", unit="output", position=0)
+
+    def on_row(r):
+        if bar is not None:
+            bar.set_postfix_str(f"{r.model}: {r.path} {r.status}")
+            bar.update(1)
+
+    rows = runner.run_batch(jobs, args.output, force=args.force, progress=not args.quiet, on_row=on_row)
+    if bar is not None:
+        bar.close()
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+    else:
+        print(runner.closing_table(rows))
+    return runner.exit_code(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

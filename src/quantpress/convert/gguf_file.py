@@ -3,10 +3,12 @@
 Tensors are described up front (name, shape, ggml type), then produced, quantized and
 written one at a time, so peak memory follows the largest tensor, not the model. The file
 goes to a temporary path next to the output and is renamed only after it has been re-read
-and verified.
+and verified. Several files of one model (policies sharing a tensor order) are written side
+by side from one read of each source tensor (:func:`write_gguf_many`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -84,6 +86,75 @@ def encode(t: torch.Tensor, type_name: str, device: torch.device) -> np.ndarray:
     return raw.cpu().numpy()
 
 
+#: one output file of :func:`write_gguf_many`: (path, KVs after ``general.architecture`` in
+#: order, GGUF tensor name → ggml type name)
+GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str])
+
+
+def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
+                    device: torch.device,
+                    progress: Callable[[Iterable], Iterable] = lambda it: it) -> None:
+    """Write several GGUF v3 files that share ``arch`` and one tensor list, reading each
+    source tensor once (no rename; callers use temporary paths).
+
+    ``files``: ``(path, kvs, types)`` per output file; ``kvs`` its metadata after
+    ``general.architecture`` (written by GGUFWriter), in order; ``types[name]`` the ggml type
+    name of every tensor in that file. ``tensors`` in output order, the same order in every
+    file; each ``load()`` returns a float tensor (any float dtype, CPU) of ``shape``.
+
+    One gguf-py ``GGUFWriter`` per file writes the header, the KVs and the tensor infos
+    (alignment 32, as llama.cpp). Then, tensor by tensor: ``load()`` once; the shape and
+    NaN/Inf checks once; the tensor moved to ``device`` once; for each distinct ggml type the
+    files ask for (a norm is F32 in every policy) one :func:`encode` (uint8 [rows, row_bytes])
+    written to every file of that type; then the next tensor. Peak memory is one source
+    tensor and one encoded copy, whatever the number of files. Each file's bytes equal a
+    :func:`write_gguf` of it alone, i.e. what ``convert_hf_to_gguf.py`` + ``llama-quantize``
+    write (llama.cpp as vendored in llama-cpp-python 0.3.36) when the plan is theirs.
+
+    Raises ValueError for no files; InputError naming the tensor when a loaded tensor's
+    shape is not ``shape`` or it holds NaN/Inf (the source weights are corrupt); KeyError
+    when a ``types`` lacks a tensor. Every file opened is closed, on error too (the partial
+    files are left for the caller to remove).
+    """
+    if not files:
+        raise ValueError("write_gguf_many: no files to write")
+    with contextlib.ExitStack() as closing:
+        writers = []
+        for path, kvs, types in files:
+            w = GGUFWriter(str(path), arch)
+            closing.callback(w.close)  # opens its file in write_header_to_file
+            for key, value, vtype, sub in kvs:
+                w.add_key_value(key, value, vtype, sub_type=sub)
+            for st in tensors:
+                gt = ggml.get(types[st.name])
+                rb = gt.row_bytes(st.shape[-1])
+                # a uint8 byte shape: gguf-py turns it back into elements (ne) for the tensor info
+                w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
+                                  math.prod(st.shape[:-1]) * rb,
+                                  raw_dtype=GGMLQuantizationType[gt.name])
+            writers.append((w, types))
+        for w, _ in writers:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+        for st in progress(tensors):
+            t = st.load()
+            if tuple(t.shape) != tuple(st.shape):
+                raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
+            check_finite(st.name, t)
+            x = t.to(device)
+            del t
+            by_type: dict[str, list[GGUFWriter]] = {}
+            for w, types in writers:
+                by_type.setdefault(types[st.name], []).append(w)
+            for type_name, ws in by_type.items():
+                raw = encode(x, type_name, device).reshape(-1)
+                for w in ws:
+                    w.write_tensor_data(raw)
+                del raw
+            del x
+
+
 def write_gguf(path: Path, arch: str, kvs: Iterable[KV], tensors: list[SourceTensor],
                types: dict[str, str], device: torch.device,
                progress: Callable[[Iterable], Iterable] = lambda it: it) -> None:
@@ -92,30 +163,10 @@ def write_gguf(path: Path, arch: str, kvs: Iterable[KV], tensors: list[SourceTen
     ``kvs``: metadata after ``general.architecture`` (written by GGUFWriter), in order.
     ``tensors`` in output order; ``types[name]`` the ggml type name of each. Each tensor is
     loaded, checked for NaN/Inf (InputError naming it), quantized on ``device`` and written
-    before the next is loaded. Alignment 32, as llama.cpp.
+    before the next is loaded. Alignment 32, as llama.cpp. :func:`write_gguf_many` with one
+    file (same errors).
     """
-    w = GGUFWriter(str(path), arch)
-    for key, value, vtype, sub in kvs:
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for st in tensors:
-        gt = ggml.get(types[st.name])
-        rb = gt.row_bytes(st.shape[-1])
-        # a uint8 byte shape: gguf-py turns it back into elements (ne) for the tensor info
-        w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
-                          math.prod(st.shape[:-1]) * rb, raw_dtype=GGMLQuantizationType[gt.name])
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for st in progress(tensors):
-            t = st.load()
-            if tuple(t.shape) != tuple(st.shape):
-                raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
-            check_finite(st.name, t)
-            w.write_tensor_data(encode(t, types[st.name], device).reshape(-1))
-            del t
-    finally:
-        w.close()
+    write_gguf_many([(path, kvs, types)], arch, tensors, device, progress)
 
 
 def open_reader(path: str | Path) -> GGUFReader:

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantpress.calibration import awq as cawq
-from quantpress.calibration import engine
 from quantpress.convert import awq_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
-from quantpress.targets.base import Run, Summary, Target
+from quantpress.targets.base import Run, Summary, Target, reference_pass
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,8 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     divides no linear's in_features, too little calibration text; later, a weight outside
     float16 or NaN/Inf activations (naming the tensor or layer)."""
 
+    reference_stage = "layers"
+    lq: cawq.LayerQuantizer | None = None
 
     def prepare(self, run: Run) -> None:
         bound_heap()
@@ -120,31 +121,42 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
             with run.stage("tokenize"):
                 self.rows, self.text = src.calibration_rows()
 
-    def write(self, tmp: Path, run: Run) -> None:
+    def _start(self, tmp: Path) -> None:
+        """The writer at ``tmp`` (embedding first) and the layer quantizer feeding it."""
         sm, o = self.sm, self.options
         self.results: list[cawq.LinearResult] = []
-        writer = awq_dir.dir_writer(tmp, self.max_shard)
-        writer.add(hfdir.embedding_fp16(sm))
+        self.writer = awq_dir.dir_writer(tmp, self.max_shard)
+        self.writer.add(hfdir.embedding_fp16(sm))
 
         def sink(index, tensors, res):
-            writer.add(tensors)
+            self.writer.add(tensors)
             self.results.extend(res)
 
-        lq = cawq.LayerQuantizer(self.spec, o.settings(), sm.layer_prefix, sink, after_step=trim_heap)
-        with run.stage("layers"):
-            if o.rtn:
-                for i in run.bar(range(sm.num_layers), "layers", "layer"):
-                    lq.quantize_layer(i, sm.load_layer(i))
-                    trim_heap()
-            else:
-                lq.rows, lq.seqlen = self.rows.shape
+        self.lq = cawq.LayerQuantizer(self.spec, o.settings(), sm.layer_prefix, sink, after_step=trim_heap)
+        if not o.rtn:
+            self.lq.rows, self.lq.seqlen = self.rows.shape
 
-                def on_layer(i, layer, inputs, outputs, ctx):
-                    lq.on_layer(i, layer, inputs, outputs, ctx)
-                    trim_heap()
+    def reference_consumer(self, tmp: Path, run: Run) -> cawq.LayerQuantizer | None:
+        """AWQ's capture and per-layer search run on the reference hidden states (AutoAWQ
+        feeds each layer the FP16 output of the unmodified previous one): the layer quantizer,
+        writing into ``tmp``. None with ``rtn`` (no calibration)."""
+        if self.options.rtn:
+            return None
+        self._start(tmp)
+        return self.lq
 
-                engine.run(sm, self.rows, hooks_factory=lq.hooks, on_layer=on_layer,
-                           batch_size=self.source.batch_rows(self.rows.shape[1]), progress=run.progress)
+    def write(self, tmp: Path, run: Run) -> None:
+        sm, o = self.sm, self.options
+        if self.lq is None:
+            self._start(tmp)
+            with run.stage("layers"):
+                if o.rtn:
+                    for i in run.bar(range(sm.num_layers), "layers", "layer"):
+                        self.lq.quantize_layer(i, sm.load_layer(i))
+                        trim_heap()
+                else:
+                    reference_pass(self.source, [self.lq], run.progress)
+        lq, writer = self.lq, self.writer
         t = lq.timings
         run.split("layers", {"quantize+pack": t["quantize"]} if o.rtn else
                   {"calibration": 0.0, "search": t["search"], "clip": t["clip"], "quantize+pack": t["quantize"]})

@@ -40,7 +40,7 @@ from quantpress.calibration import engine
 from quantpress.convert import loaders
 from quantpress.errors import InputError
 from quantpress.runtime import (DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype,
-                                rows_per_batch)
+                                rows_per_batch, trim_heap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +383,8 @@ class Target(abc.ABC):
     kind: ClassVar[str]
     options_type: ClassVar[type]
     output_is_dir: ClassVar[bool] = False
+    #: the stage name under which a shared reference pass is timed (:meth:`reference_consumer`)
+    reference_stage: ClassVar[str] = "reference pass"
 
     def __init_subclass__(cls, *, kind: str, options: type, output_is_dir: bool = False, **kw):
         super().__init_subclass__(**kw)
@@ -395,6 +397,22 @@ class Target(abc.ABC):
 
     def prepare(self, run: Run) -> None:
         """Check everything against the model before anything is written (InputError)."""
+
+    def reference_consumer(self, tmp: Path, run: Run) -> Any:
+        """For an output computed from the reference (unquantized) hidden states of the
+        calibration rows: start the output at ``tmp`` and return its consumer (``hooks`` /
+        ``on_layer``, :class:`quantpress.calibration.engine.FanOut`), which
+        :func:`produce_many` feeds from one streamed pass shared by every such output of the
+        source; :meth:`write` then finishes without a pass of its own. None (the default): the
+        output has no such stage and :meth:`write` does everything."""
+        return None
+
+    @classmethod
+    def write_together(cls, targets: list["Target"], tmps: list[Path], run: Run) -> None:
+        """Write several prepared targets of this kind and of one source at ``tmps``; the
+        default writes them one by one (a kind overrides it to share reads)."""
+        for t, tmp in zip(targets, tmps):
+            t.write(tmp, run)
 
     @abc.abstractmethod
     def write(self, tmp: Path, run: Run) -> None:
@@ -464,38 +482,166 @@ def install(tmp: Path, out: Path) -> None:
         _remove(old)
 
 
+@dataclass
+class Outcome:
+    """What became of one output of :func:`produce_many`: its ``options`` and final path
+    ``out``, and either its :class:`Summary` or the ``error`` that stopped it (nothing is left
+    at ``out`` then)."""
+
+    options: Any
+    out: Path
+    summary: Summary | None = None
+    error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the output was written and verified."""
+        return self.error is None and self.summary is not None
+
+
+class _Trim:
+    """The last consumer of a shared pass: gives the allocator the layer's temporaries back."""
+
+    def on_layer(self, *args) -> None:
+        trim_heap()
+
+
+def reference_pass(source: Source, consumers: list, progress: bool = True) -> None:
+    """One streamed pass of the source's calibration rows through the unquantized model,
+    feeding every consumer (:class:`quantpress.calibration.engine.FanOut`), in batches of
+    :meth:`Source.batch_rows` rows. Raises InputError on NaN/Inf hidden states."""
+    rows, _ = source.calibration_rows()
+    fan = engine.FanOut([*consumers, _Trim()])
+    engine.run(source.streaming_model(), rows, hooks_factory=fan.hooks, on_layer=fan.on_layer,
+               batch_size=source.batch_rows(rows.shape[1]), progress=progress)
+
+
+def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Path, *,
+                 force: bool = False, progress: bool = True,
+                 on_done: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    """Make several verified outputs of one source, sharing what they can: the runner every
+    output goes through (:func:`produce` is this with one item).
+
+    ``items``: (registered options dataclass, output path) pairs. For each: options validated,
+    output path checked, :meth:`Target.prepare`. Then the outputs computed from the reference
+    hidden states (:meth:`Target.reference_consumer`) are fed by one shared streamed pass
+    (:func:`reference_pass`, timed as each target's ``reference_stage``); the others are
+    written by their kind's :meth:`Target.write_together` (GGUF policies from one read of each
+    tensor). Each output is then finished (:meth:`Target.write`), verified (stage "verify")
+    and renamed into place, and ``on_done`` is called with its :class:`Outcome`.
+
+    A failure (bad input, failed round trip, NaN activations, out of memory) fails the outputs
+    it concerns (a shared stage: all of its outputs), leaves nothing of them behind and does
+    not stop the others. Returns the outcomes in the order of ``items``."""
+    if not isinstance(source, Source):
+        source = Source(source, progress=progress)
+    outcomes = [Outcome(o, Path(out)) for o, out in items]
+    live: list[tuple[Outcome, Target, Run, Path, float]] = []
+    tmps: list[Path] = []
+
+    def fail(oc: Outcome, e: Exception) -> None:
+        oc.error = e
+        if on_done is not None:
+            on_done(oc)
+
+    try:
+        for oc in outcomes:
+            t0 = time.perf_counter()
+            try:
+                cls = target_for(oc.options)
+                oc.options.validate()
+                check_output(oc.out, cls.output_is_dir, force)
+                run = Run(progress)
+                target = cls(source, oc.options)
+                target.prepare(run)
+            except Exception as e:
+                fail(oc, e)
+                continue
+            tmp = temp_path(oc.out)
+            _remove(tmp)
+            tmps.append(tmp)
+            live.append((oc, target, run, tmp, t0))
+
+        fed = []
+        for entry in live:
+            oc, target, run, tmp, _ = entry
+            try:
+                c = target.reference_consumer(tmp, run)
+            except Exception as e:
+                fail(oc, e)
+                continue
+            if c is not None:
+                fed.append((entry, c))
+        if fed:
+            t0 = time.perf_counter()
+            try:
+                reference_pass(source, [c for _, c in fed], progress)
+            except Exception as e:
+                for (oc, *_), _c in fed:
+                    fail(oc, e)
+            dt = time.perf_counter() - t0
+            for (oc, target, run, _, _), _c in fed:
+                run.stages[type(target).reference_stage] = dt
+        fed_ids = {id(e[1]) for e, _ in fed}
+
+        groups: dict[type, list] = {}
+        for entry in live:
+            if entry[0].error is None and id(entry[1]) not in fed_ids:
+                groups.setdefault(type(entry[1]), []).append(entry)
+        written = {id(e[1]) for e, _ in fed}
+        for cls, group in groups.items():
+            grun = Run(progress)
+            try:
+                cls.write_together([e[1] for e in group], [e[3] for e in group], grun)
+            except Exception as e:
+                for entry in group:
+                    fail(entry[0], e)
+                continue
+            for entry in group:
+                for k, v in grun.stages.items():
+                    entry[2].stages[k] = entry[2].stages.get(k, 0.0) + v
+                written.add(id(entry[1]))
+
+        for oc, target, run, tmp, t0 in live:
+            if oc.error is not None:
+                _remove(tmp)
+                continue
+            try:
+                if id(target) in fed_ids:
+                    target.write(tmp, run)
+                with run.stage("verify"):
+                    roundtrip = target.verify(tmp, run)
+                install(tmp, oc.out)
+            except Exception as e:
+                _remove(tmp)
+                fail(oc, e)
+                continue
+            s = target.summary(oc.out, roundtrip, run)
+            s.files = output_files(oc.out)
+            s.stages = dict(run.stages)
+            s.seconds = time.perf_counter() - t0
+            oc.summary = s
+            if on_done is not None:
+                on_done(oc)
+    finally:
+        for tmp in tmps:
+            _remove(tmp)
+    return outcomes
+
+
 def produce(options: Any, source: Source | str | Path, out: str | Path, *, force: bool = False,
             progress: bool = True) -> Summary:
-    """Make one verified output: the runner every output kind goes through.
+    """Make one verified output: :func:`produce_many` with one item.
 
     ``options``: a registered options dataclass (the target is chosen by its type);
     ``source``: a :class:`Source` (or a path, with default compute and calibration options);
     ``out``: the output path; ``force``: replace an existing one. Order: options validated,
     output path checked, :meth:`Target.prepare`, :meth:`Target.write` to a hidden temporary
-    sibling, :meth:`Target.verify` (stage "verify"), one rename into place. Returns the
-    :class:`Summary`. Raises InputError for bad input and RoundTripError when the round trip
-    fails; on any error nothing is left at ``out`` or at the temporary path."""
-    t0 = time.perf_counter()
-    cls = target_for(options)
-    options.validate()
-    if not isinstance(source, Source):
-        source = Source(source, progress=progress)
-    out = Path(out)
-    check_output(out, cls.output_is_dir, force)
-    run = Run(progress)
-    target = cls(source, options)
-    target.prepare(run)
-    tmp = temp_path(out)
-    _remove(tmp)
-    try:
-        target.write(tmp, run)
-        with run.stage("verify"):
-            roundtrip = target.verify(tmp, run)
-        install(tmp, out)
-    finally:
-        _remove(tmp)
-    s = target.summary(out, roundtrip, run)
-    s.files = output_files(out)
-    s.stages = dict(run.stages)
-    s.seconds = time.perf_counter() - t0
-    return s
+    sibling (with the shared reference pass when the target has one), :meth:`Target.verify`
+    (stage "verify"), one rename into place. Returns the :class:`Summary`. Raises InputError
+    for bad input and RoundTripError when the round trip fails; on any error nothing is left
+    at ``out`` or at the temporary path."""
+    (oc,) = produce_many([(options, out)], source, force=force, progress=progress)
+    if oc.error is not None:
+        raise oc.error
+    return oc.summary

@@ -48,7 +48,7 @@ from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import exl2 as qexl2
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
-from quantpress.targets.base import Run, Source, Summary, Target
+from quantpress.targets.base import Run, Source, Summary, Target, reference_pass
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 #: the achieved decoder bpw lies in [target − BPW_WINDOW, target] (dearer options are taken
@@ -177,24 +177,6 @@ def check_target(bpw: float, slots, numel: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Passes
 
-def measure(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
-            progress: bool = True) -> tuple[dict, int, cm.Timings, dict]:
-    """The measurement pass over ``sm`` with calibration ``rows`` (int64 [rows, seqlen]):
-    ``(measurement dict, last_module_idx)`` as measurement.json holds them, the seconds
-    spent in GPTQ and in forwards, and each module output's content share ρ (measurement key
-    → ρ, :func:`quantpress.calibration.exl2_measure.content_share`)."""
-    m = cm.Measurer(int(rows.shape[0]), prefix=sm.layer_prefix)
-
-    def on_layer(i, layer, inputs, outputs, ctx):
-        m.on_layer(i, layer, inputs, outputs, ctx)
-        trim_heap()
-
-    engine.run(sm, rows, hooks_factory=m.hooks, on_layer=on_layer, batch_size=batch_size,
-               progress=progress)
-    meas, last = cm.measurement_dict(m.results, sm.num_layers, sm.norm_name, sm.lm_head_name)
-    return meas, last, m.timings, m.content
-
-
 def content_shares(sm: engine.StreamingModel, rows: torch.Tensor, batch_size: int,
                    progress: bool = True) -> dict[str, float]:
     """Each decoder module output's content share ρ (measurement key → ρ, dimensionless;
@@ -227,14 +209,20 @@ class _EXL2Model:
             self.rows, self.text = self.source.calibration_rows()
         self.batch = self.source.batch_rows(self.rows.shape[1])
 
-    def measure(self, run: Run) -> tuple[dict, int, cm.Timings, dict]:
-        """The measurement pass (stage "measurement"), its result validated."""
-        with run.stage("measurement"):
-            modules, last, t, shares = measure(self.sm, self.rows, self.batch, run.progress)
+    def measurer(self) -> cm.Measurer:
+        """A measurement pass consumer (:class:`quantpress.calibration.exl2_measure.Measurer`)
+        for the reference hidden states of the calibration rows."""
+        return cm.Measurer(int(self.rows.shape[0]), prefix=self.sm.layer_prefix)
+
+    def measured(self, m: cm.Measurer) -> tuple[dict, int, dict]:
+        """``(measurement dict, last_module_idx, content shares)`` of a finished measurement
+        pass, as measurement.json holds them, validated against the model."""
+        modules, last = cm.measurement_dict(m.results, self.sm.num_layers, self.sm.norm_name,
+                                            self.sm.lm_head_name)
         mfile.validate_schema({"measurement": modules, "last_module_idx": last},
                               source="measurement pass", expect_layers=self.L,
                               cost=mfile.module_cost_fn(self.shapes))
-        return modules, last, t, shares
+        return modules, last, dict(m.content)
 
 
 def _setting_text(option: dict, names) -> str:
@@ -321,14 +309,27 @@ def verify_measurement(path: Path, text: str, num_layers: int, shapes: dict) -> 
 class EXL2MeasurementTarget(Target, kind="measurement", options=EXL2MeasurementOptions):
     """measurement.json of the source (:class:`EXL2MeasurementOptions`)."""
 
+    reference_stage = "measurement"
+    measurer: cm.Measurer | None = None
+
     def prepare(self, run: Run) -> None:
         self.m = _EXL2Model(self.source)
         self.m.calibrate(run)
 
+    def reference_consumer(self, tmp: Path, run: Run) -> cm.Measurer:
+        """exllamav2 measures every module on the reference hidden states."""
+        self.measurer = self.m.measurer()
+        return self.measurer
+
     def write(self, tmp: Path, run: Run) -> None:
-        modules, last, self.timings, _ = self.m.measure(run)
-        self.text = mfile.measurement_text(modules, last, source="measurement pass")
-        mfile.write_measurement(tmp, modules, last)
+        if self.measurer is None:
+            self.reference_consumer(tmp, run)
+            with run.stage("measurement"):
+                reference_pass(self.source, [self.measurer], run.progress)
+        self.timings = self.measurer.timings
+        modules, last, shares = self.m.measured(self.measurer)
+        self.text = mfile.measurement_text(modules, last, source="measurement pass", content_share=shares)
+        mfile.write_measurement(tmp, modules, last, content_share=shares)
 
     def verify(self, tmp: Path, run: Run) -> str:
         return verify_measurement(tmp, self.text, self.m.L, self.m.shapes)
@@ -352,6 +353,8 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
     (stated), a measurement of another model (layer count, shapes) or a truncated one,
     in_features > 65535 or not a multiple of 32, too little calibration text, non-HF input."""
 
+    reference_stage = "measurement"
+    measurer: cm.Measurer | None = None
 
     def prepare(self, run: Run) -> None:
         o = self.options
@@ -365,23 +368,37 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         m.calibrate(run)
         self.detail: dict[str, float] = {}
 
+    def reference_consumer(self, tmp: Path, run: Run) -> cm.Measurer | None:
+        """Without :attr:`EXL2Options.measurement`, the measurement pass (on the reference
+        hidden states); None when a measurement is reused."""
+        if self.meas is not None:
+            return None
+        self.measurer = self.m.measurer()
+        return self.measurer
+
     def _allocate(self, run: Run) -> None:
         o, m = self.options, self.m
         by_content, aggregate, power = alloc.OBJECTIVE_MODES[o.objective]
-        shares, self.new_measurement = None, None
         if self.meas is None:
-            modules, last, t, shares = m.measure(run)
+            if self.measurer is None:
+                self.reference_consumer(Path(), run)
+                with run.stage("measurement"):
+                    reference_pass(self.source, [self.measurer], run.progress)
+            t = self.measurer.timings
+            modules, last, shares = m.measured(self.measurer)
             self.detail.update(measurement_gptq=t.gptq, measurement_forward=t.forward)
-            self.meas = mfile.Measurement(modules, last, m.L)
-            self.new_measurement = (modules, last)
+            self.meas = mfile.Measurement(modules, last, m.L, shares)
+        shares = self.meas.content_share
         with run.stage("allocation"):
             slots = self.meas.slots()
             self.content = []
             if by_content:
-                if shares is None:
+                if shares is None:  # a measurement written without them (exllamav2's)
                     t0 = time.perf_counter()
                     shares = content_shares(m.sm, m.rows, m.batch, run.progress)
                     self.detail["allocation_forward"] = time.perf_counter() - t0
+                    self.meas = mfile.Measurement(self.meas.modules, self.meas.last_module_idx,
+                                                  self.meas.num_layers, shares)
                 rho = [shares[k] for k in self.meas.slot_keys()]
                 self.content = [(rho[2 * i], rho[2 * i + 1]) for i in range(m.L)]
                 slots = alloc.content_slots(slots, rho)
@@ -427,8 +444,10 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
             writer.finish(exl2_dir.exl2_config(self.source.config, o.bpw, int(o.head_bits), rows,
                                                seqlen, None if calib is None else str(calib)),
                           self.source.path)
-            if self.new_measurement is not None:  # kept with the model, as exllamav2 users publish it
-                mfile.write_measurement(tmp / "measurement.json", *self.new_measurement)
+            # kept with the model, as exllamav2 users publish it: the same file whether the
+            # measurement was made here or reused
+            mfile.write_measurement(tmp / "measurement.json", self.meas.modules,
+                                    self.meas.last_module_idx, self.meas.content_share)
         self.expected = set(writer.sizes)
         self.tensor_bytes = writer.total_bytes
 

@@ -5,7 +5,9 @@ The plan is the tensor list (name, shape, a loader), the metadata and one ggml t
 tensor (:func:`quantpress.convert.gguf_policy.plan_types`, llama.cpp's
 ``llama_tensor_get_type``); tensors are then read, quantized and written one at a time
 (:func:`quantpress.convert.gguf_file.write_gguf`) and the round trip re-reads the file with
-gguf-py (:func:`quantpress.convert.gguf_file.verify_gguf`).
+gguf-py (:func:`quantpress.convert.gguf_file.verify_gguf`). Several policies of one source
+are written together from one read of each source tensor per tensor order
+(:meth:`GGUFTarget.write_together`).
 
 - From an HF directory the bytes equal ``convert_hf_to_gguf.py --outtype f16`` followed by
   ``llama-quantize`` (llama.cpp as vendored in llama-cpp-python 0.3.36).
@@ -27,7 +29,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
 from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, open_reader, reader_raw, verify_gguf,
-                                          write_gguf)
+                                          write_gguf_many)
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
@@ -163,10 +165,71 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             self.plan = plan_from_gguf(p, policy) if p.is_file() else plan_from_hf(p, policy)
 
     def write(self, tmp: Path, run: Run) -> None:
-        pl = self.plan
+        self.write_together([self], [tmp], run)
+
+    @classmethod
+    def write_together(cls, targets: list["GGUFTarget"], tmps: list[Path], run: Run) -> None:
+        """Write the files of several prepared GGUF targets of one source, ``targets[i]`` at
+        ``tmps[i]`` (no rename, no round trip), each byte-identical to its :meth:`write`.
+
+        Targets are grouped by their plan's tensor order (the tuple of tensor names: the
+        converter's for the float policies, llama-quantize's ``weight_name_comparer`` order
+        for the quantized ones, :func:`_in_quantize_order`), groups in order of first
+        appearance; each group is one :func:`quantpress.convert.gguf_file.write_gguf_many`
+        over the loaders of its first target, so each source tensor is read once per group
+        and encoded once per distinct ggml type. Stage "quantize+write", one progress bar
+        over every tensor of every group, labelled with the policies joined by "+".
+
+        Raises ValueError when the lists differ in length or are empty, a target is not
+        prepared, the targets are not of one source path, or the plans of a group differ in
+        architecture or tensor shapes; InputError as ``write_gguf_many`` (a tensor with
+        NaN/Inf or of the wrong shape, naming it). Files already begun are closed, not removed.
+        """
+        targets, tmps = list(targets), [Path(t) for t in tmps]
+        if not targets or len(targets) != len(tmps):
+            raise ValueError(f"write_together: {len(targets)} targets for {len(tmps)} paths")
+        for t in targets:
+            if getattr(t, "plan", None) is None:
+                raise ValueError(f"write_together: the {t.options.policy} target is not prepared")
+        src = targets[0].source.path.resolve()
+        for t in targets[1:]:
+            if t.source.path.resolve() != src:
+                raise ValueError(f"write_together: targets of different sources "
+                                 f"({targets[0].source.path}, {t.source.path})")
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, t in enumerate(targets):
+            groups.setdefault(tuple(st.name for st in t.plan.tensors), []).append(i)
+        for idx in groups.values():
+            first = targets[idx[0]].plan
+            shapes = [tuple(st.shape) for st in first.tensors]
+            for i in idx[1:]:
+                pl = targets[i].plan
+                if pl.arch != first.arch:
+                    raise ValueError(f"write_together: architecture {pl.arch} of "
+                                     f"{targets[i].options.policy}, {first.arch} of "
+                                     f"{targets[idx[0]].options.policy}")
+                for st, shape in zip(pl.tensors, shapes):
+                    if tuple(st.shape) != shape:
+                        raise ValueError(f"write_together: tensor '{st.name}' is {tuple(st.shape)} "
+                                         f"in {targets[i].options.policy}, {shape} in "
+                                         f"{targets[idx[0]].options.policy}")
+        label = "+".join(t.options.policy for t in targets)
+        total = sum(len(targets[idx[0]].plan.tensors) for idx in groups.values())
         with run.stage("quantize+write"):
-            write_gguf(tmp, pl.arch, pl.kvs, pl.tensors, pl.types, self.device,
-                       progress=lambda it: run.bar(it, self.options.policy, "tensor"))
+            bar = run.bar(None, label, "tensor", total=total)
+
+            def progress(it):
+                for x in it:
+                    yield x
+                    bar.update(1)
+            try:
+                for idx in groups.values():
+                    first = targets[idx[0]]
+                    files = [(tmps[i], targets[i].plan.kvs, targets[i].plan.types) for i in idx]
+                    write_gguf_many(files, first.plan.arch, first.plan.tensors, first.device,
+                                    progress=progress)
+            finally:
+                bar.close()
 
     def verify(self, tmp: Path, run: Run) -> str:
         pl = self.plan

@@ -22,7 +22,7 @@ from quantpress.convert import gguf_arch
 from quantpress.convert.imatrix_file import Imatrix, from_stats, read_imatrix, write_imatrix
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
-from quantpress.targets.base import Run, Source, Summary, Target
+from quantpress.targets.base import Run, Source, Summary, Target, reference_pass
 
 
 @dataclass(frozen=True)
@@ -34,29 +34,51 @@ class ImatrixOptions:
         """Nothing to check."""
 
 
+class ImatrixCollector:
+    """The importance-matrix consumer of a streamed pass (``hooks``, for
+    :class:`quantpress.calibration.engine.FanOut` or as :func:`quantpress.calibration.engine.run`'s
+    ``hooks_factory``): Σx² of the input of every decoder-layer linear of ``source``'s model
+    (:class:`quantpress.calibration.stats.StatsCollector`); :meth:`entries` gives them by GGUF
+    weight name once the pass is over."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.arch = source.loader.gguf_arch(source.path)
+        sm = source.streaming_model()
+        self.n_layers = int(sm.config.num_hidden_layers)
+        self.col = StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
+
+    def hooks(self, index: int, layer: torch.nn.Module):
+        """Hook layer ``index``'s linears (removed by the engine after its forward)."""
+        return self.col(index, layer)
+
+    def entries(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """``{GGUF weight name: (in_sum2 float32 [K], token count)}`` (llama.cpp
+        ``IMatrixCollector::collect_imatrix`` for dense weights; ``output.weight`` left out, as
+        llama-imatrix does without ``--process-output``). InputError for a linear without a
+        GGUF name."""
+        out = {}
+        for hf_name, st in self.col.stats.items():
+            try:
+                g = gguf_arch.gguf_tensor_name(hf_name + ".weight", self.arch, n_layers=self.n_layers)
+            except ValueError as e:
+                raise InputError(f"{self.source.path}: {e}") from None
+            out[g] = st.imatrix()
+        return out
+
+
 def imatrix_from_rows(source: Source, rows: torch.Tensor,
                       progress: bool = True) -> dict[str, tuple[torch.Tensor, int]]:
     """Σx² of the input of every decoder-layer linear over all tokens of ``rows`` (int64
     [n, seqlen]), keyed by GGUF weight name (``blk.0.attn_q.weight``): ``(in_sum2 float32 [K],
-    token count)``, i.e. llama.cpp ``IMatrixCollector::collect_imatrix`` for dense weights
-    (``output.weight`` is left out, as llama-imatrix does without ``--process-output``).
-    The model runs through the streaming engine in the source's compute dtype (float32 by
-    default) one layer at a time. Raises InputError on NaN/Inf activations (naming the linear)
-    and unsupported models."""
-    arch = source.loader.gguf_arch(source.path)
-    sm = source.streaming_model()
-    col = StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
-    engine.run(sm, rows, hooks_factory=col, batch_size=source.batch_rows(rows.shape[1]),
-               progress=progress, on_layer=trim_heap)
-    n_layers = int(sm.config.num_hidden_layers)
-    out = {}
-    for hf_name, st in col.stats.items():
-        try:
-            g = gguf_arch.gguf_tensor_name(hf_name + ".weight", arch, n_layers=n_layers)
-        except ValueError as e:
-            raise InputError(f"{source.path}: {e}") from None
-        out[g] = st.imatrix()
-    return out
+    token count)`` (:meth:`ImatrixCollector.entries`). The model runs through the streaming
+    engine in the source's compute dtype (float32 by default) one layer at a time. Raises
+    InputError on NaN/Inf activations (naming the layer) and unsupported models."""
+    c = ImatrixCollector(source)
+    engine.run(source.streaming_model(), rows, hooks_factory=c.hooks,
+               batch_size=source.batch_rows(rows.shape[1]), progress=progress,
+               on_layer=lambda *a: trim_heap())
+    return c.entries()
 
 
 def verify_imatrix(path: Path, im: Imatrix) -> str:
@@ -86,15 +108,26 @@ def verify_imatrix(path: Path, im: Imatrix) -> str:
 class ImatrixTarget(Target, kind="imatrix", options=ImatrixOptions):
     """An importance matrix file (:class:`ImatrixOptions`) of an HF directory or GGUF file."""
 
+    reference_stage = "forward"
+    collector: ImatrixCollector | None = None
+
     def prepare(self, run: Run) -> None:
         bound_heap()
         with run.stage("tokenize"):
             self.rows, self.text = self.source.calibration_rows()
 
+    def reference_consumer(self, tmp: Path, run: Run) -> ImatrixCollector:
+        """Σx² is taken on the reference hidden states, as llama-imatrix does."""
+        self.collector = ImatrixCollector(self.source)
+        return self.collector
+
     def write(self, tmp: Path, run: Run) -> None:
-        with run.stage("forward"):
-            self.entries = imatrix_from_rows(self.source, self.rows, run.progress)
+        if self.collector is None:
+            self.reference_consumer(tmp, run)
+            with run.stage("forward"):
+                reference_pass(self.source, [self.collector], run.progress)
         with run.stage("write"):
+            self.entries = self.collector.entries()
             self.im = from_stats(self.entries, [self.text], chunk_count=self.rows.shape[0],
                                  chunk_size=self.rows.shape[1])
             write_imatrix(tmp, self.im)

@@ -1,0 +1,95 @@
+"""``quantize batch`` against the same outputs made one by one, on SmolLM2-135M-Instruct.
+
+The batch: GGUF Q4_K_M and Q8_0, AWQ w4g64, EXL2 4.0 and 5.0 bpw, evaluation. One by one, as
+a careful user makes them: two ``convert hf-to-gguf``, one ``quantize awq``, ``quantize exl2
+--bpw 4.0`` (which keeps measurement.json in its directory), ``quantize exl2 --bpw 5.0
+--measurement`` that file, one ``quantize eval`` of the four models. Prints both wall times,
+their ratio, both peak RSS (the largest of the one-by-one processes), and whether every
+output is byte-identical between the two ways.
+
+    .venv/bin/python scripts/bench_batch.py --samples 8 --seqlen 256 --chunks 8
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_gguf import measure  # noqa: E402
+from quantpress import assets  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def digests(p: Path) -> dict[str, str]:
+    """sha256 of a file, or of every file below a directory."""
+    if p.is_file():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
+    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks of 512 tokens")
+    ap.add_argument("--work", help="working directory (default: a temporary one)")
+    a = ap.parse_args()
+    model = assets.smollm2_dir()
+    work = Path(a.work or tempfile.mkdtemp(prefix="bench_batch-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cal = ["--samples", str(a.samples), "--seqlen", str(a.seqlen), "--device", "cpu", "--quiet"]
+    name = "smollm2"
+
+    job = work / "jobs.toml"
+    job.write_text(f"""[defaults]
+device = "cpu"
+calib = {{ samples = {a.samples}, seqlen = {a.seqlen} }}
+
+[[model]]
+source = "{model}"
+name = "{name}"
+gguf = ["Q4_K_M", "Q8_0"]
+awq = [{{ group_size = 64 }}]
+exl2 = [{{ bpw = 4.0 }}, {{ bpw = 5.0 }}]
+eval = {{ chunks = {a.chunks} }}
+""")
+    batch_wall, batch_rss = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "batch"),
+                                     "--quiet", "--force"])
+
+    one = work / "one"
+    one.mkdir(exist_ok=True)
+    o = {k: one / f"{name}-{k}" for k in ("Q4_K_M.gguf", "Q8_0.gguf", "AWQ-w4g64", "EXL2-4.0bpw", "EXL2-5.0bpw")}
+    steps = [
+        [str(BIN / "convert"), "hf-to-gguf", str(model), "--policy", "Q4_K_M", "-o", str(o["Q4_K_M.gguf"]), "--quiet", "--force"],
+        [str(BIN / "convert"), "hf-to-gguf", str(model), "--policy", "Q8_0", "-o", str(o["Q8_0.gguf"]), "--quiet", "--force"],
+        [str(BIN / "quantize"), "awq", str(model), "--group-size", "64", "-o", str(o["AWQ-w4g64"]), "--force", *cal],
+        [str(BIN / "quantize"), "exl2", str(model), "--bpw", "4.0", "-o", str(o["EXL2-4.0bpw"]), "--force", *cal],
+        [str(BIN / "quantize"), "exl2", str(model), "--bpw", "5.0", "-o", str(o["EXL2-5.0bpw"]), "--force",
+         "--measurement", str(o["EXL2-4.0bpw"] / "measurement.json"), *cal],
+        [str(BIN / "quantize"), "eval", str(model), *(str(p) for p in o.values()), "--chunks", str(a.chunks),
+         "--device", "cpu", "--quiet"],
+    ]
+    walls, rsss = [], []
+    for cmd in steps:
+        w, r = measure(cmd)
+        walls.append(w)
+        rsss.append(r)
+        print(f"  {w:7.1f} s {r:7.0f} MiB  {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:4]))}")
+    one_wall, one_rss = sum(walls), max(rsss)
+
+    same = all(digests(work / "batch" / name / p.name) == digests(p) for p in o.values())
+    print(f"calibration {a.samples} x {a.seqlen} tokens, eval {a.chunks} chunks of 512, CPU")
+    print(f"batch       {batch_wall:7.1f} s  peak RSS {batch_rss:7.0f} MiB")
+    print(f"one by one  {one_wall:7.1f} s  peak RSS {one_rss:7.0f} MiB (largest process)")
+    print(f"ratio       {batch_wall / one_wall:.2f}x time, {batch_rss / one_rss:.2f}x peak RSS; "
+          f"outputs byte-identical: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

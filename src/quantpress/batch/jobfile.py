@@ -1,0 +1,330 @@
+"""Batch job files (``quantize batch JOBS.toml``): TOML in, a validated plan out.
+
+::
+
+    [defaults]                 # for every model below; any key of a [[model]] but source/name
+    device = "auto"
+    calib = { samples = 128, seqlen = 2048 }
+
+    [[model]]
+    source = "models/Llama-3.1-8B-Instruct"    # Hugging Face directory (relative: to the job file)
+    name = "Llama-3.1-8B-Instruct"             # output prefix; default: the directory's name
+    gguf = ["Q4_K_M", "Q6_K", "Q8_0"]          # policies, as convert hf-to-gguf --policy
+    imatrix = true                             # also <name>.imatrix.gguf (quantize imatrix)
+    awq = [{ group_size = 128 }]               # each table: the options of quantize awq
+    exl2 = [{ bpw = 4.0 }, { bpw = 6.0, head_bits = 8 }]   # the options of quantize exl2
+    eval = true                                # or { ctx = 512, chunks = 20, text = "FILE" }
+
+Keys are the single verbs' option names with ``_`` for ``-`` (``group_size``, ``head_bits``,
+``max_shard_size``; ``calib`` holds ``calib``, ``calib_field``, ``samples``, ``seqlen``,
+``seed``). Every table becomes the options dataclass the single verb builds
+(:class:`~quantpress.targets.GGUFOptions`, :class:`~quantpress.targets.AWQOptions`, ...), so a
+value the verb refuses is refused here with the verb's message, prefixed with the job file and
+the model entry. Everything is checked before any work starts: :func:`read_jobs` raises
+InputError naming the file, the entry and the key.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from quantpress.errors import InputError
+from quantpress.targets import (AWQOptions, CalibOptions, ComputeOptions, EXL2MeasurementOptions,
+                                EXL2Options, GGUFOptions, ImatrixOptions)
+from quantpress.targets.eval import EvalOptions
+
+#: keys of a [[model]] entry (and of [defaults], but for source and name)
+MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "exl2", "eval", "device", "dtype",
+              "batch_tokens", "calib")
+#: keys of the calib table → CalibOptions fields
+CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
+#: file name of the EXL2 measurement shared by a model's EXL2 outputs
+MEASUREMENT_FILE = "measurement.json"
+
+
+@dataclass(frozen=True)
+class OutputJob:
+    """One output of a model: ``kind`` (gguf, imatrix, measurement, awq, exl2), ``target``
+    (Q4_K_M, w4g128, 4.0, ...), ``path`` relative to the model's output directory and the
+    single verb's ``options`` dataclass."""
+
+    kind: str
+    target: str
+    path: str
+    options: Any
+
+
+@dataclass
+class ModelJob:
+    """One [[model]] entry: ``index`` in the file, output prefix ``name``, ``source`` HF
+    directory, compute and calibration options, the ``outputs`` in the order they are made,
+    and ``eval`` (None: no evaluation)."""
+
+    index: int
+    name: str
+    source: Path
+    compute: ComputeOptions
+    calib: CalibOptions
+    outputs: list[OutputJob] = field(default_factory=list)
+    eval: EvalOptions | None = None
+
+    @property
+    def where(self) -> str:
+        """``model[i] (name)``, for messages."""
+        return f"model[{self.index}] ({self.name})"
+
+    def job_key(self) -> dict:
+        """What the outputs depend on (source, compute, calibration, every output's options),
+        JSON-able: saved work is discarded when it changes."""
+        def opts(o):
+            return {f.name: getattr(o, f.name) for f in fields(o)}
+        return {"source": str(self.source), "compute": opts(self.compute), "calib": opts(self.calib),
+                "outputs": [{"kind": o.kind, "path": o.path, "options": opts(o.options)}
+                            for o in self.outputs],
+                "eval": None if self.eval is None else opts(self.eval)}
+
+
+# --------------------------------------------------------------------------------------------
+# Typed tables → options dataclasses
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+
+
+def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
+    names = [a.strip() for a in str(annotation).split("|")]
+    for n in names:
+        allowed = _TYPES.get(n)
+        if allowed is None:
+            continue
+        if n in ("int", "float") and isinstance(value, bool):
+            continue
+        if isinstance(value, allowed):
+            return
+    want = " or ".join({"int": "an integer", "float": "a number", "bool": "true/false",
+                        "str": "a string", "None": "absent"}.get(n, n) for n in names)
+    raise InputError(f"{where}: {key} = {value!r}: expected {want}")
+
+
+def build_options(options_type: type, table: Any, where: str, exclude: tuple[str, ...] = ()) -> Any:
+    """``options_type`` (a dataclass) from a TOML table: unknown keys refused (listing the
+    known ones), values type-checked against the fields' annotations, required fields
+    demanded, then ``validate()``; every InputError is prefixed with ``where``."""
+    if not isinstance(table, dict):
+        raise InputError(f"{where}: expected a table {{ key = value, ... }}, got {table!r}")
+    known = [f for f in fields(options_type) if f.name not in exclude]
+    names = [f.name for f in known]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise InputError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(names)}")
+    for f in known:
+        if f.name in table:
+            _check_type(where, f.name, table[f.name], f.type)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise InputError(f"{where}: missing key {f.name!r}")
+    opts = options_type(**table)
+    try:
+        opts.validate()
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    return opts
+
+
+# --------------------------------------------------------------------------------------------
+# The job file
+
+def _load(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{path}: job file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read the job file ({e})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:  # the message carries "(at line L, column C)"
+        raise InputError(f"{path}: not valid TOML: {e}") from None
+
+
+def _list_of(where: str, key: str, value: Any, kind: type, what: str) -> list:
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise InputError(f"{where}: {key} = {value!r}: expected a list of {what}")
+    return value
+
+
+def _bool(where: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{where}: {key} = {value!r}: expected true or false")
+    return value
+
+
+def _exl2_label(bpw: float) -> str:
+    return f"{float(bpw)}"
+
+
+def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
+           device: str | None) -> ModelJob:
+    where0 = f"{file}: model[{index}]"
+    if not isinstance(entry, dict):
+        raise InputError(f"{where0}: expected a table ([[model]])")
+    unknown = sorted(set(entry) - set(MODEL_KEYS))
+    if unknown:
+        raise InputError(f"{where0}: unknown key {unknown[0]!r}; known keys: {', '.join(MODEL_KEYS)}")
+    if "source" not in entry:
+        raise InputError(f"{where0}: missing key 'source' (the Hugging Face model directory)")
+    e = {**defaults, **entry}
+    if "calib" in defaults and "calib" in entry and isinstance(entry["calib"], dict) \
+            and isinstance(defaults["calib"], dict):
+        e["calib"] = {**defaults["calib"], **entry["calib"]}
+    src = e["source"]
+    if not isinstance(src, str) or not src:
+        raise InputError(f"{where0}: source = {src!r}: expected a path")
+    source = Path(src).expanduser()
+    if not source.is_absolute():
+        source = (base / source).resolve()
+    if not source.is_dir() or not (source / "config.json").is_file():
+        raise InputError(f"{where0}: source {source}: not a Hugging Face model directory "
+                         f"(no config.json)")
+    name = e.get("name", source.name)
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise InputError(f"{where0}: name = {name!r}: expected a file-name prefix without '/'")
+    where = f"{file}: model[{index}] ({name})"
+
+    comp = {k: e[k] for k in ("device", "dtype", "batch_tokens") if k in e}
+    if device is not None:
+        comp["device"] = device
+    compute = build_options(ComputeOptions, comp, where)
+    calib_t = e.get("calib", {})
+    if not isinstance(calib_t, dict):
+        raise InputError(f"{where}: calib = {calib_t!r}: expected a table such as "
+                         f"{{ samples = 128, seqlen = 512 }}")
+    calib = build_options(CalibOptions, calib_t, f"{where}: calib")
+    if calib.calib is not None and not Path(calib.calib).is_absolute() and (base / calib.calib).exists():
+        calib = replace(calib, calib=str((base / calib.calib).resolve()))
+
+    job = ModelJob(index, name, source, compute, calib)
+    out = job.outputs
+    for i, policy in enumerate(_list_of(where, "gguf", e.get("gguf", []), str, "policy names")):
+        o = build_options(GGUFOptions, {"policy": policy}, f"{where}: gguf[{i}]")
+        out.append(OutputJob("gguf", policy, f"{name}-{policy}.gguf", o))
+    if _bool(where, "imatrix", e.get("imatrix", False)):
+        out.append(OutputJob("imatrix", "imatrix", f"{name}.imatrix.gguf", ImatrixOptions()))
+    for i, t in enumerate(_list_of(where, "awq", e.get("awq", []), dict, "tables")):
+        o = build_options(AWQOptions, t, f"{where}: awq[{i}]")
+        label = o.label + ("-rtn" if o.rtn else "")
+        out.append(OutputJob("awq", label, f"{name}-AWQ-{label}", o))
+    exl2 = _list_of(where, "exl2", e.get("exl2", []), dict, "tables")
+    if exl2:
+        out.append(OutputJob("measurement", "exl2", MEASUREMENT_FILE, EXL2MeasurementOptions()))
+    for i, t in enumerate(exl2):
+        o = build_options(EXL2Options, t, f"{where}: exl2[{i}]", exclude=("measurement",))
+        label = _exl2_label(o.bpw)
+        out.append(OutputJob("exl2", label, f"{name}-EXL2-{label}bpw", o))
+    ev = e.get("eval", False)
+    if isinstance(ev, dict):
+        job.eval = build_options(EvalOptions, ev, f"{where}: eval")
+        if job.eval.text is not None and not Path(job.eval.text).is_absolute():
+            job.eval = replace(job.eval, text=str((base / job.eval.text).resolve()))
+    elif _bool(where, "eval", ev):
+        job.eval = EvalOptions()
+    if not out:
+        raise InputError(f"{where}: no outputs (give gguf, imatrix, awq or exl2)")
+    seen: dict[str, int] = {}
+    for o in out:
+        if o.path in seen:
+            raise InputError(f"{where}: two entries write the same output {name}/{o.path}")
+        seen[o.path] = 1
+    return job
+
+
+def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None) -> list[ModelJob]:
+    """Read and check a job file: the :class:`ModelJob` list, nothing written.
+
+    ``out_root``: where outputs go (``OUT_ROOT/<name>/``); it must be a directory or not exist
+    yet. ``device``: overrides every entry's ``device`` (``--device``). Raises InputError
+    naming the file, the model entry and the key for: a file that is not TOML (line and
+    column), an unknown or missing key (listing the known ones), a wrong type, a source that is
+    no model directory, an option the single verb refuses (its message), two entries writing
+    the same output path, an OUT_ROOT that is a file."""
+    path = Path(path)
+    out_root = Path(out_root)
+    if out_root.exists() and not out_root.is_dir():
+        raise InputError(f"{out_root}: OUT_ROOT is a file, expected a directory")
+    doc = _load(path)
+    unknown = sorted(set(doc) - {"defaults", "model"})
+    if unknown:
+        raise InputError(f"{path}: unknown top-level key {unknown[0]!r}; known: defaults, model")
+    defaults = doc.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise InputError(f"{path}: defaults must be a table ([defaults])")
+    bad = sorted(set(defaults) - set(MODEL_KEYS) | set(defaults) & {"source", "name"})
+    if bad:
+        raise InputError(f"{path}: [defaults]: key {bad[0]!r} not allowed; known keys: "
+                         f"{', '.join(k for k in MODEL_KEYS if k not in ('source', 'name'))}")
+    models = doc.get("model")
+    if not isinstance(models, list) or not models:
+        raise InputError(f"{path}: no [[model]] entries")
+    base = path.resolve().parent
+    jobs = [_model(m, i, defaults, base, path, device) for i, m in enumerate(models)]
+    names: dict[str, int] = {}
+    for j in jobs:
+        if j.name in names:
+            raise InputError(f"{path}: model[{names[j.name]}] and model[{j.index}] both write "
+                             f"{out_root / j.name} (give one of them another name)")
+        names[j.name] = j.index
+    return jobs
+
+
+def estimate(job: ModelJob) -> dict:
+    """Rough figures for ``--dry-run``: bytes on disk per output and the peak memory (bytes)
+    of the calibrated stages, from the safetensors headers and the config (nothing is read).
+    Peak: one decoder layer in float32 plus two copies of the calibration hidden states plus,
+    for AWQ, the captured inputs of one layer (the memory model of the streaming engine)."""
+    from quantpress.calibration.engine import SafetensorsDir
+    from quantpress.convert import gguf_arch, gguf_policy
+    from quantpress.quantize import ggml
+
+    st = SafetensorsDir(job.source)
+    shapes = {k: tuple(st.shape(k)) for k in st.keys()}
+    st.close()
+    cfg = gguf_arch.load_hf_config(job.source)
+    L = int(cfg["num_hidden_layers"])
+    hidden = int(cfg["hidden_size"])
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    total = sum(numel.values())
+    layer = [k for k in shapes if ".layers.0." in k]
+    layer_bytes = 4 * sum(numel[k] for k in layer)
+    linear = sum(numel[k] for k in shapes if ".layers." in k and k.endswith("proj.weight"))
+    rows, seqlen = job.calib.samples, job.calib.seqlen
+    hstates = 2 * rows * seqlen * hidden * 4
+    sizes: dict[str, int] = {}
+    calibrated = False
+    for o in job.outputs:
+        if o.kind == "gguf":
+            try:
+                arch = gguf_arch.gguf_arch(cfg)
+                names = [(gguf_arch.gguf_tensor_name(k, arch, n_layers=L), s) for k, s in shapes.items()
+                         if not gguf_arch.is_skipped_tensor(k)]
+                params = gguf_policy.ModelParams(
+                    arch=arch, n_layer=L, n_head=int(cfg["num_attention_heads"]),
+                    n_head_kv=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+                    n_expert=0, has_output=any(n == "output.weight" for n, _ in names))
+                types = gguf_policy.plan_types(o.options.policy, names, params)
+                sizes[o.path] = sum(math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names)
+            except Exception:  # an estimate only: fall back to F16 size
+                sizes[o.path] = 2 * total
+        elif o.kind == "awq":
+            g = o.options.group_size
+            sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
+            calibrated |= not o.options.rtn
+        elif o.kind == "exl2":
+            sizes[o.path] = int(linear * o.options.bpw / 8 + 2 * (total - linear))
+            calibrated = True
+        elif o.kind in ("imatrix", "measurement"):
+            sizes[o.path] = 8 * 7 * hidden * L if o.kind == "imatrix" else 40_000 * L
+            calibrated = True
+    capture = rows * seqlen * 4 * 4 * hidden if calibrated else 0
+    peak = layer_bytes + (hstates if calibrated else 0) + capture
+    return {"bytes": sizes, "disk": sum(sizes.values()), "peak_memory": peak}

@@ -1,0 +1,249 @@
+"""``quantize batch`` on tiny random models: the outputs equal the single verbs' byte for byte,
+the manifest and model card describe them, a re-run keeps what is finished, bad job files are
+refused before any work, and a failing output does not stop the batch."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import synth
+import make
+from quantpress.cli.quantize_main import main as quantize_main
+
+CALIB = dict(samples=4, seqlen=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models' many small ops run faster and the same every time."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def second_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A second model: llama with other weights, 1 layer, tied embeddings."""
+    return synth.make_model(tmp_path_factory.mktemp("batch_second"), "llama", smollm2_dir, seed=1,
+                            num_hidden_layers=1, tie_word_embeddings=True)
+
+
+def _job(path: Path, llama: Path, qwen2: Path | None = None) -> Path:
+    text = f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = {CALIB['samples']}, seqlen = {CALIB['seqlen']} }}
+
+[[model]]
+source = "{llama}"
+name = "tiny"
+gguf = ["Q4_K_M", "Q8_0"]
+imatrix = true
+awq = [{{ group_size = 64 }}]
+exl2 = [{{ bpw = 4.0 }}, {{ bpw = 5.0, head_bits = 8 }}]
+eval = {{ ctx = 64, chunks = 2 }}
+"""
+    if qwen2 is not None:
+        text += f"""
+[[model]]
+source = "{qwen2}"
+gguf = ["Q8_0"]
+awq = [{{ group_size = 64 }}]
+"""
+    path.write_text(text)
+    return path
+
+
+def _digests(p: Path) -> dict[str, str]:
+    if p.is_file():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
+    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, tiny_llama_dir, second_dir):
+    root = tmp_path_factory.mktemp("batch")
+    job = _job(root / "jobs.toml", tiny_llama_dir, second_dir)
+    out = root / "out"
+    code = quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"])
+    return job, out, code
+
+
+def test_outputs_equal_the_single_verbs(batch, tiny_llama_dir, second_dir, tmp_path, capsys):
+    job, out, code = batch
+    assert code == 0
+    d = out / "tiny"
+    expected = ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf", "tiny.imatrix.gguf", "tiny-AWQ-w4g64",
+                "measurement.json", "tiny-EXL2-4.0bpw", "tiny-EXL2-5.0bpw"]
+    assert sorted(p.name for p in d.iterdir()) == sorted(expected + ["manifest.json", "README.md"])
+    src = make.source(tiny_llama_dir, **CALIB)
+    single = tmp_path / "single"
+    single.mkdir()
+    make.gguf(src, single / "tiny-Q4_K_M.gguf", "Q4_K_M")
+    make.gguf(src, single / "tiny-Q8_0.gguf", "Q8_0")
+    make.imatrix(src, single / "tiny.imatrix.gguf")
+    make.awq(src, single / "tiny-AWQ-w4g64", group_size=64)
+    make.exl2(src, single / "tiny-EXL2-4.0bpw", bpw=4.0)   # measured by itself
+    make.exl2(src, single / "tiny-EXL2-5.0bpw", bpw=5.0, head_bits=8,
+              measurement=str(single / "tiny-EXL2-4.0bpw" / "measurement.json"))
+    for name in expected:
+        if name == "measurement.json":
+            continue
+        assert _digests(d / name) == _digests(single / name), name
+    assert (d / "measurement.json").read_bytes() == (single / "tiny-EXL2-4.0bpw" / "measurement.json").read_bytes()
+    q = out / second_dir.name
+    src2 = make.source(second_dir, **CALIB)
+    make.awq(src2, single / "q-awq", group_size=64)
+    assert _digests(q / f"{second_dir.name}-AWQ-w4g64") == _digests(single / "q-awq")
+
+
+def test_manifest_and_model_card(batch):
+    _, out, _ = batch
+    d = out / "tiny"
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["model"] == "tiny" and m["calibration"]["samples"] == 4 and m["versions"]["quantpress"]
+    assert [(o["kind"], o["target"]) for o in m["outputs"]] == [
+        ("gguf", "Q4_K_M"), ("gguf", "Q8_0"), ("imatrix", "imatrix"), ("awq", "w4g64"),
+        ("measurement", "exl2"), ("exl2", "4.0"), ("exl2", "5.0")]
+    for o in m["outputs"]:
+        assert o["roundtrip"] == "ok" and o["files"] == _digests(d / o["path"])
+        p = d / o["path"]
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+        assert o["bytes"] == sum(f.stat().st_size for f in files)
+        if o["kind"] in ("gguf", "awq", "exl2"):
+            assert o["eval"]["ppl"] > 1 and o["eval"]["kld"] > 0, o
+        else:
+            assert o["eval"] is None
+    bpw = {o["target"]: o["bpw"] for o in m["outputs"] if o["kind"] == "exl2"}
+    assert bpw["4.0"] < bpw["5.0"]
+    kld = {o["target"]: o["eval"]["kld"] for o in m["outputs"] if o["eval"]}
+    assert kld["Q8_0"] < kld["Q4_K_M"]
+    card = (d / "README.md").read_text()
+    for o in m["outputs"]:
+        assert f"`{o['path']}" in card
+    assert card.count("| ok |") == len(m["outputs"])
+
+
+def test_rerun_keeps_finished_outputs(batch, capsys):
+    job, out, _ = batch
+    d = out / "tiny"
+    before = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["status"] for r in rows} == {"kept"} and len(rows) == 9
+    after = {p.name: p.stat().st_mtime_ns for p in d.iterdir() if p.name not in ("manifest.json", "README.md")}
+    assert all(after[k] == before[k] for k in after)
+    # a damaged output is made again, the rest kept
+    awq = d / "tiny-AWQ-w4g64"
+    good = _digests(awq)
+    with open(sorted(awq.glob("*.safetensors"))[0], "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\0" * 8)
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in rows if r["status"] == "made"] == ["tiny-AWQ-w4g64"]
+    assert _digests(awq) == good
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_llama_dir, capsys):
+    job = _job(tmp_path / "j.toml", tiny_llama_dir)
+    assert quantize_main(["batch", str(job), "-o", str(tmp_path / "out"), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "one calibration pass (4 x 64 tokens) feeding imatrix, awq, measurement" in text
+    assert "make  tiny-EXL2-5.0bpw" in text and "estimated disk" in text
+    assert not (tmp_path / "out").exists()
+
+
+BAD = [
+    ("not toml", "[[model]\nsource = 1", "not valid TOML: .*line 1"),
+    ("unknown top key", "[[model]]\nsource = '{src}'\ngguf=['Q8_0']\n[other]\n", "unknown top-level key 'other'"),
+    ("unknown model key", "[[model]]\nsource = '{src}'\nggfu = ['Q8_0']", r"model\[0\]: unknown key 'ggfu'; known keys: source, name, gguf"),
+    ("missing source", "[[model]]\ngguf = ['Q8_0']", r"model\[0\]: missing key 'source'"),
+    ("source not a model", "[[model]]\nsource = '{tmp}'\ngguf = ['Q8_0']", "not a Hugging Face model directory"),
+    ("bad policy", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = ['Q9_K']", r"model\[0\] \(m\): gguf\[0\]: --policy Q9_K: unknown"),
+    ("wrong type", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = 'Q8_0'", "gguf = 'Q8_0': expected a list of policy names"),
+    ("bad awq option", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ group_size = 0 }}]", r"awq\[0\]: --group-size 0: must be a positive"),
+    ("unknown awq key", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ groups = 64 }}]", r"awq\[0\]: unknown key 'groups'; known keys: bits, group_size"),
+    ("awq type", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ clip = 'yes' }}]", r"awq\[0\]: clip = 'yes': expected true/false"),
+    ("bad bpw", "[[model]]\nsource = '{src}'\nname = 'm'\nexl2 = [{{ bpw = -1 }}]", r"exl2\[0\]: --bpw -1: expected a positive"),
+    ("missing bpw", "[[model]]\nsource = '{src}'\nname = 'm'\nexl2 = [{{ head_bits = 8 }}]", r"exl2\[0\]: missing key 'bpw'"),
+    ("bad head bits", "[[model]]\nsource = '{src}'\nname = 'm'\nexl2 = [{{ bpw = 4.0, head_bits = 7 }}]", "--head-bits 7: choose one of"),
+    ("same output twice", "[[model]]\nsource = '{src}'\nname = 'm'\nexl2 = [{{ bpw = 4.0 }}, {{ bpw = 4.0, head_bits = 8 }}]", "two entries write the same output m/m-EXL2-4.0bpw"),
+    ("same name twice", "[[model]]\nsource = '{src}'\ngguf=['Q8_0']\n[[model]]\nsource = '{src}'\ngguf=['Q4_0']", r"model\[0\] and model\[1\] both write"),
+    ("bad device", "[defaults]\ndevice = 'bogus'\n[[model]]\nsource = '{src}'\nname = 'm'\ngguf=['Q8_0']", "bogus"),
+    ("calib type", "[defaults]\ncalib = {{ samples = 'many' }}\n[[model]]\nsource = '{src}'\nname = 'm'\nimatrix = true", r"calib: samples = 'many': expected an integer"),
+    ("no outputs", "[[model]]\nsource = '{src}'\nname = 'm'", "no outputs"),
+    ("source in defaults", "[defaults]\nsource = '{src}'\n[[model]]\nsource = '{src}'\ngguf=['Q8_0']", r"\[defaults\]: key 'source' not allowed"),
+]
+
+
+@pytest.mark.parametrize("case,text,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_job_files_are_refused_before_any_work(case, text, message, tmp_path, tiny_llama_dir, capsys):
+    import re
+
+    job = tmp_path / "jobs.toml"
+    job.write_text(text.format(src=tiny_llama_dir, tmp=tmp_path))
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert str(job) in err[0] or "bogus" in err[0]
+    assert not out.exists()
+
+
+def test_out_root_on_a_file_and_foreign_outputs(tmp_path, tiny_llama_dir, capsys):
+    job = _job(tmp_path / "j.toml", tiny_llama_dir)
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert quantize_main(["batch", str(job), "-o", str(f), "--quiet"]) == 2
+    assert "OUT_ROOT is a file" in capsys.readouterr().err
+    out = tmp_path / "out"
+    (out / "tiny").mkdir(parents=True)
+    (out / "tiny" / "tiny-Q8_0.gguf").write_text("mine")
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet"]) == 2
+    assert "tiny-Q8_0.gguf: already exists and was not made by this batch" in capsys.readouterr().err
+    assert (out / "tiny" / "tiny-Q8_0.gguf").read_text() == "mine"
+    assert sorted(p.name for p in (out / "tiny").iterdir()) == ["tiny-Q8_0.gguf"]
+
+
+def test_a_failing_output_does_not_stop_the_batch(tmp_path, tiny_llama_dir, second_dir, monkeypatch, capsys):
+    """A broken AWQ round trip fails the AWQ outputs (exit 3, marked failed in the manifest, no
+    directory left); the GGUF outputs of both models are made."""
+    from quantpress.errors import RoundTripError
+    from quantpress.targets import awq as tawq
+
+    def broken(*a, **k):
+        raise RoundTripError("round trip failed: injected")
+
+    monkeypatch.setattr(tawq, "verify_awq_dir", broken)
+    job = tmp_path / "j.toml"
+    job.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = 2, seqlen = 32 }}
+[[model]]
+source = "{tiny_llama_dir}"
+name = "a"
+gguf = ["Q8_0"]
+awq = [{{ group_size = 64 }}]
+[[model]]
+source = "{second_dir}"
+name = "b"
+gguf = ["Q8_0"]
+""")
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet"]) == 3
+    table = capsys.readouterr().out
+    assert "2 made, 0 kept from an earlier run, 1 failed" in table
+    m = json.loads((out / "a" / "manifest.json").read_text())
+    st = {o["path"]: (o["roundtrip"], o.get("error", "")) for o in m["outputs"]}
+    assert st == {"a-Q8_0.gguf": ("ok", ""), "a-AWQ-w4g64": ("failed", "round trip failed: injected")}
+    assert not (out / "a" / "a-AWQ-w4g64").exists()
+    assert (out / "b" / "b-Q8_0.gguf").is_file()
+    assert "**failed**" in (out / "a" / "README.md").read_text()

@@ -1,0 +1,182 @@
+"""convert/gguf_file.py ``write_gguf_many`` and targets/gguf.py ``GGUFTarget.write_together``:
+several policies of one source written from one read of each source tensor.
+
+* the files equal, byte for byte, those of one ``produce`` per policy (Q4_K_M, Q8_0, Q6_K in
+  llama-quantize's tensor order; F16 in the converter's order: two order groups);
+* each source tensor is loaded exactly once per order group, and only through the first
+  target of its group, and encoded once per distinct ggml type within its group;
+* a NaN in a source tensor raises InputError naming the tensor, with every writer closed;
+* plans of one order that differ in shapes, or targets of different sources, are refused.
+
+Tiny 2-layer llama (``tiny_llama_dir``), CPU.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import make
+from quantpress.convert import gguf_file
+from quantpress.convert.gguf_file import SourceTensor
+from quantpress.errors import InputError
+from quantpress.targets import GGUFOptions, Run, produce
+from quantpress.targets.gguf import GGUFTarget
+
+POLICIES = ["Q4_K_M", "Q8_0", "Q6_K", "F16"]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_llama_dir) -> list[GGUFTarget]:
+    """Prepared GGUF targets of the tiny llama, one per policy of POLICIES, sharing one CPU
+    Source (use :func:`_fresh` copies: tests replace plan tensors)."""
+    src = make.source(tiny_llama_dir)
+    run = Run(progress=False)
+    out = []
+    for p in POLICIES:
+        t = GGUFTarget(src, GGUFOptions(p))
+        t.prepare(run)
+        out.append(t)
+    return out
+
+
+def _fresh(prepared: list[GGUFTarget], policies=POLICIES) -> list[GGUFTarget]:
+    """Copies of the prepared targets of ``policies`` whose plans own their tensor lists."""
+    by_policy = {t.options.policy: t for t in prepared}
+    out = []
+    for p in policies:
+        t = copy.copy(by_policy[p])
+        t.plan = dataclasses.replace(t.plan, tensors=list(t.plan.tensors))
+        out.append(t)
+    return out
+
+
+def _count_loads(targets: list[GGUFTarget]) -> Counter:
+    """Wrap every SourceTensor loader of every plan; the Counter counts loads by
+    (target index, tensor name)."""
+    calls: Counter = Counter()
+    for i, t in enumerate(targets):
+        def wrap(st: SourceTensor, i=i) -> SourceTensor:
+            def load(inner=st.load, name=st.name):
+                calls[i, name] += 1
+                return inner()
+            return SourceTensor(st.name, st.shape, load)
+        t.plan.tensors = [wrap(st) for st in t.plan.tensors]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def singles(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
+    """sha256 of the file of one ``produce`` run per policy."""
+    d = tmp_path_factory.mktemp("singles")
+    out = {}
+    for p in POLICIES:
+        f = d / f"{p}.gguf"
+        produce(GGUFOptions(p), make.source(tiny_llama_dir), f, progress=False)
+        out[p] = _sha(f)
+    return out
+
+
+def test_together_is_byte_identical_and_reads_once_per_order(prepared, tmp_path, singles,
+                                                             monkeypatch):
+    targets = _fresh(prepared)
+    orders = [tuple(st.name for st in t.plan.tensors) for t in targets]
+    groups: dict[tuple, list[int]] = {}
+    for i, o in enumerate(orders):
+        groups.setdefault(o, []).append(i)
+    # the quantized policies share llama-quantize's order, F16 keeps the converter's
+    assert len(groups) == 2 and sorted(map(len, groups.values())) == [1, 3]
+    calls = _count_loads(targets)
+    encoded: Counter = Counter()
+    real_encode = gguf_file.encode
+
+    def counting_encode(t, type_name, device):
+        encoded[type_name] += 1
+        return real_encode(t, type_name, device)
+    monkeypatch.setattr(gguf_file, "encode", counting_encode)
+    run = Run(progress=False)
+    tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
+    GGUFTarget.write_together(targets, tmps, run)
+    assert list(run.stages) == ["quantize+write"]
+    for p, f in zip(POLICIES, tmps):
+        assert _sha(f) == singles[p], f"{p}: differs from a single produce()"
+    for idx in groups.values():
+        names = targets[idx[0]].plan.tensors
+        assert all(calls[idx[0], st.name] == 1 for st in names)  # once per group ...
+        assert not any(calls[i, st.name] for i in idx[1:] for st in names)  # ... by its first
+    per_name = Counter()
+    for (_, name), n in calls.items():
+        per_name[name] += n
+    assert set(per_name.values()) == {len(groups)}  # every name: once per group in all
+    # one encode per tensor and distinct ggml type among the files of its group (the F32
+    # norms once for Q4_K_M, Q8_0 and Q6_K)
+    expected: Counter = Counter()
+    for idx in groups.values():
+        for st in targets[idx[0]].plan.tensors:
+            for ty in {targets[i].plan.types[st.name] for i in idx}:
+                expected[ty] += 1
+    assert encoded == expected
+    assert sum(encoded.values()) < sum(len(t.plan.tensors) for t in targets)
+
+
+class _TrackedWriter(gguf_file.GGUFWriter):
+    """GGUFWriter that remembers its instances (to check that every one was closed)."""
+
+    made: list = []
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        _TrackedWriter.made.append(self)
+
+
+def test_nan_names_tensor_and_closes_every_writer(prepared, tmp_path, monkeypatch):
+    targets = _fresh(prepared)
+    _TrackedWriter.made = []
+    monkeypatch.setattr(gguf_file, "GGUFWriter", _TrackedWriter)
+    quant = targets[0].plan.tensors  # llama-quantize's order: the group written first
+    # the second tensor of that order: output.weight is already in all three files
+    k = next(i for i, st in enumerate(quant) if st.name == "output_norm.weight")
+    assert k > 0
+
+    def bad(inner=quant[k].load):
+        t = inner().clone()
+        t[7] = float("nan")
+        return t
+    quant[k] = SourceTensor(quant[k].name, quant[k].shape, bad)
+    tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
+    with pytest.raises(InputError, match=r"'output_norm\.weight'.*NaN"):
+        GGUFTarget.write_together(targets, tmps, Run(progress=False))
+    # the quantized group's three writers were opened (the F16 group never started), all closed
+    assert len(_TrackedWriter.made) == 3
+    assert all(w.fout is None for w in _TrackedWriter.made)
+    assert not tmps[3].exists()
+
+
+def test_mismatched_plans_are_refused(prepared, tmp_path):
+    targets = _fresh(prepared, ["Q4_K_M", "Q8_0"])
+    st = targets[1].plan.tensors[-1]
+    targets[1].plan.tensors[-1] = SourceTensor(st.name, (*st.shape[:-1], st.shape[-1] * 2), st.load)
+    with pytest.raises(ValueError, match=st.name):
+        GGUFTarget.write_together(targets, [tmp_path / "a.gguf", tmp_path / "b.gguf"], Run(progress=False))
+    with pytest.raises(ValueError):
+        GGUFTarget.write_together(targets, [tmp_path / "a.gguf"], Run(progress=False))
+    other = GGUFTarget(make.source(tmp_path), GGUFOptions("Q8_0"))
+    other.plan = targets[0].plan
+    with pytest.raises(ValueError, match="different sources"):
+        GGUFTarget.write_together([targets[0], other], [tmp_path / "a.gguf", tmp_path / "b.gguf"],
+                                  Run(progress=False))
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_write_gguf_many_needs_a_file():
+    with pytest.raises(ValueError):
+        gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))

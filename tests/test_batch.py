@@ -247,3 +247,60 @@ gguf = ["Q8_0"]
     assert not (out / "a" / "a-AWQ-w4g64").exists()
     assert (out / "b" / "b-Q8_0.gguf").is_file()
     assert "**failed**" in (out / "a" / "README.md").read_text()
+
+
+def _manifest_without_times(p: Path) -> dict:
+    m = json.loads(p.read_text())
+    for o in m["outputs"]:
+        o.pop("seconds")
+    return m
+
+
+def test_ray_gives_the_outputs_and_manifests_of_the_local_run(tmp_path, tiny_llama_dir, second_dir):
+    """``--ray`` on a local Ray instance: two models as two tasks, the same files and the same
+    manifests (but for the seconds) as the run in this process."""
+    job = tmp_path / "j.toml"
+    job.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = 2, seqlen = 32 }}
+[[model]]
+source = "{tiny_llama_dir}"
+name = "a"
+gguf = ["Q8_0"]
+awq = [{{ group_size = 64 }}]
+[[model]]
+source = "{second_dir}"
+name = "b"
+gguf = ["Q4_0"]
+imatrix = true
+""")
+    local, viaray = tmp_path / "local", tmp_path / "ray"
+    assert quantize_main(["batch", str(job), "-o", str(local), "--quiet"]) == 0
+    assert quantize_main(["batch", str(job), "-o", str(viaray), "--quiet", "--ray"]) == 0
+    for name in ("a", "b"):
+        files = sorted(p.name for p in (local / name).iterdir())
+        assert files == sorted(p.name for p in (viaray / name).iterdir())
+        for f in files:
+            if f == "manifest.json":
+                assert _manifest_without_times(local / name / f) == _manifest_without_times(viaray / name / f)
+            elif f != "README.md":
+                assert _digests(local / name / f) == _digests(viaray / name / f), f
+
+
+def test_ray_missing_says_how_to_install(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    job = _job(tmp_path / "j.toml", tiny_llama_dir)
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'quantpress[ray]'" in err and not out.exists()

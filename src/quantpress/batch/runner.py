@@ -271,6 +271,12 @@ def run_batch(jobs: list[ModelJob], out_root: str | Path, force: bool = False,
     out_root = Path(out_root)
     plans = [plan_model(j, out_root, force) for j in jobs]
     out_root.mkdir(parents=True, exist_ok=True)
+    return run_plans(plans, progress, on_row)
+
+
+def run_plans(plans: list[ModelPlan], progress: bool = True,
+              on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    """Make the planned models one after the other in this process (:func:`run_model`)."""
     rows: list[Row] = []
     for p in plans:
         rows += run_model(p, progress, on_row)

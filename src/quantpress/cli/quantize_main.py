@@ -5,7 +5,7 @@
   quantize awq MODEL -o OUT_DIR [--group-size 128] [--rtn] [--no-clip]
   quantize exl2 MODEL --bpw 4.25 -o OUT_DIR [--head-bits 6] [--measurement FILE | --measure-only FILE]
   quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
-  quantize batch JOBS.toml -o OUT_ROOT [--dry-run] [--device cpu] [--force] [--json]
+  quantize batch JOBS.toml -o OUT_ROOT [--dry-run] [--ray [ADDRESS]] [--device cpu] [--force] [--json]
 """
 from __future__ import annotations
 
@@ -97,6 +97,10 @@ def add_verbs(sub) -> None:
                    help="overwrite output paths that this batch did not make")
     b.add_argument("--json", action="store_true", help="print the closing table as JSON")
     b.add_argument("--device", default=None, help="override every model's device (auto, cpu, cuda, cuda:N)")
+    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the models as Ray tasks on the cluster at ADDRESS (or a local Ray "
+                        "instance without one; one GPU per task where there are GPUs); OUT_ROOT "
+                        "must be a path every node sees. Needs pip install 'quantpress[ray]'")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     common.add_debug(b)
     b.set_defaults(run=_batch)
@@ -157,10 +161,15 @@ def _batch(args) -> int:
     from quantpress.batch import jobfile, runner
 
     jobs = jobfile.read_jobs(args.jobs, args.output, device=args.device)
+    if args.ray is not None:
+        from quantpress.batch import ray_exec
+
+        ray_exec.check_ray()
+    plans = [runner.plan_model(j, Path(args.output), args.force) for j in jobs]
     if args.dry_run:
-        plans = [runner.plan_model(j, Path(args.output), args.force) for j in jobs]
         print(runner.plan_text(plans))
         return 0
+    Path(args.output).mkdir(parents=True, exist_ok=True)
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
@@ -172,7 +181,10 @@ def _batch(args) -> int:
             bar.set_postfix_str(f"{r.model}: {r.path} {r.status}")
             bar.update(1)
 
-    rows = runner.run_batch(jobs, args.output, force=args.force, progress=not args.quiet, on_row=on_row)
+    if args.ray is not None:
+        rows = ray_exec.run_batch_ray(plans, None if args.ray == "local" else args.ray, on_row=on_row)
+    else:
+        rows = runner.run_plans(plans, progress=not args.quiet, on_row=on_row)
     if bar is not None:
         bar.close()
     if args.json:

@@ -304,3 +304,106 @@ def test_ray_missing_says_how_to_install(tmp_path, tiny_llama_dir, monkeypatch, 
     assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--ray"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'quantpress[ray]'" in err and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def three_layer_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 3-layer llama: room for a pass to be killed between layers."""
+    return synth.make_model(tmp_path_factory.mktemp("batch_three"), "llama", smollm2_dir, seed=2,
+                            num_hidden_layers=3)
+
+
+def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
+    """SIGKILL after layer 1 of the shared reference pass, then after layer 0 of the EXL2
+    quantization pass: each re-run goes on from the saved layer (it says so, and the manifest
+    records it), keeps the outputs already finished, and the outputs equal those of a run
+    never interrupted, byte for byte."""
+    import os
+    import subprocess
+    import sys
+
+    from quantpress.calibration.checkpoint import KILL_HOOK
+
+    job = tmp_path / "j.toml"
+    job.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = 2, seqlen = 32 }}
+[[model]]
+source = "{three_layer_dir}"
+name = "m"
+imatrix = true
+awq = [{{ group_size = 64 }}]
+exl2 = [{{ bpw = 4.0 }}]
+""")
+    whole = tmp_path / "whole"
+    assert quantize_main(["batch", str(job), "-o", str(whole), "--quiet"]) == 0
+    out = tmp_path / "out"
+    quantize = Path(sys.executable).parent / "quantize"
+    env = {k: v for k, v in os.environ.items() if k != KILL_HOOK}
+
+    def run(kill: str | None):
+        e = dict(env, OMP_NUM_THREADS="1", **({KILL_HOOK: kill} if kill else {}))
+        return subprocess.run([str(quantize), "batch", str(job), "-o", str(out), "--quiet", "--json"],
+                              env=e, capture_output=True, text=True, timeout=900)
+
+    p = run("reference:1")
+    assert p.returncode == -9, p.stderr[-2000:]
+    ckpt = out / "m" / ".work" / "reference.ckpt"
+    assert json.loads((ckpt / "done.json").read_text()) == {"layer": 1}
+    assert not (out / "m" / "m-AWQ-w4g64").exists()
+
+    p = run("m-EXL2-4.0bpw:0")
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert "reference: resuming at layer 2 (layers 0-1 kept" in p.stderr
+    m = json.loads((out / "m" / "manifest.json").read_text())
+    done = {o["path"]: o.get("resumed_at_layer") for o in m["outputs"] if o["roundtrip"] == "ok"}
+    assert done == {"m.imatrix.gguf": 2, "m-AWQ-w4g64": 2, "measurement.json": 2}
+    assert not ckpt.exists()
+
+    p = run(None)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "m-EXL2-4.0bpw: resuming at layer 1 (layers 0-0 kept" in p.stderr
+    rows = {r["path"]: (r["status"], r["resumed_at"]) for r in json.loads(p.stdout)}
+    assert rows == {"m.imatrix.gguf": ("kept", 0), "m-AWQ-w4g64": ("kept", 0),
+                    "measurement.json": ("kept", 0), "m-EXL2-4.0bpw": ("made", 1)}
+    assert not (out / "m" / ".work").exists()
+    for name in ("m.imatrix.gguf", "m-AWQ-w4g64", "measurement.json", "m-EXL2-4.0bpw"):
+        assert _digests(out / "m" / name) == _digests(whole / "m" / name), name
+
+
+def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):
+    """A pass killed under one job, re-run after the job changed: the saved layers are not
+    used (message), and the output equals a fresh run's."""
+    import os
+    import subprocess
+    import sys
+
+    from quantpress.calibration.checkpoint import KILL_HOOK
+
+    def job(samples: int) -> Path:
+        j = tmp_path / f"j{samples}.toml"
+        j.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = {samples}, seqlen = 32 }}
+[[model]]
+source = "{three_layer_dir}"
+name = "m"
+imatrix = true
+""")
+        return j
+
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    quantize = Path(sys.executable).parent / "quantize"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{KILL_HOOK: "reference:0"})
+    p = subprocess.run([str(quantize), "batch", str(job(2)), "-o", str(out), "--quiet"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == -9, p.stderr[-2000:]
+    env.pop(KILL_HOOK)
+    p = subprocess.run([str(quantize), "batch", str(job(3)), "-o", str(out), "--quiet"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "saved work under" in p.stderr and "another job or code version; discarded" in p.stderr
+    assert quantize_main(["batch", str(job(3)), "-o", str(fresh), "--quiet"]) == 0
+    assert _digests(out / "m" / "m.imatrix.gguf") == _digests(fresh / "m" / "m.imatrix.gguf")

@@ -15,7 +15,8 @@ tokenizer and calibration rows read once):
 4. ``manifest.json`` rewritten after every output, and ``README.md`` (the model card).
 
 Re-running the same command resumes: outputs whose manifest entry is ``ok`` with the same
-options and unchanged checksums are kept (reported as kept), the others are made. An output
+options and unchanged checksums are kept (reported as kept), the others are made; a pass
+that was killed goes on from the last finished layer (``.work/``, see :func:`run_model`). An output
 path that exists but was not made by this batch is refused unless ``--force``. A model whose
 output fails keeps what finished, marks the failure in its manifest and the batch goes on.
 """
@@ -94,6 +95,7 @@ class Row:
     bpw: float | None = None
     error: str = ""
     code: int = 0        # exit code class of a failure (1, 2, 3)
+    resumed_at: int = 0  # first layer run by this process when a pass resumed saved work
 
 
 def _code(e: Exception) -> int:
@@ -135,7 +137,10 @@ class _Manifest:
             self.entries[o.path] = {**base, "files": mf.file_digests(p), "bytes": s.bytes,
                                     "bpw": None if s.bpw is None else round(s.bpw, 4),
                                     "roundtrip": "ok", "seconds": round(s.seconds, 2), "eval": None}
-            row = Row(self.plan.job.name, o.kind, o.target, o.path, "made", s.seconds, s.bytes, s.bpw)
+            if s.details.get("resumed_at_layer"):
+                self.entries[o.path]["resumed_at_layer"] = s.details["resumed_at_layer"]
+            row = Row(self.plan.job.name, o.kind, o.target, o.path, "made", s.seconds, s.bytes, s.bpw,
+                      resumed_at=int(s.details.get("resumed_at_layer", 0)))
         else:
             self.entries[o.path] = {**base, "files": {}, "bytes": 0, "bpw": None, "roundtrip": "failed",
                                     "error": _first_line(oc.error), "seconds": 0.0, "eval": None}
@@ -151,10 +156,25 @@ class _Manifest:
         (self.plan.dir / mf.CARD).write_text(mf.model_card(self.doc), encoding="utf-8")
 
 
+WORK = ".work"
+
+
+def _stderr(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr)
+
+
 def run_model(plan: ModelPlan, progress: bool = True,
-              on_row: Callable[[Row], None] | None = None) -> list[Row]:
+              on_row: Callable[[Row], None] | None = None,
+              log: Callable[[str], None] = _stderr) -> list[Row]:
     """Make the outputs of one planned model (see the module docstring). Returns one
-    :class:`Row` per output (kept, made or failed); never raises for a failing output."""
+    :class:`Row` per output (kept, made or failed); never raises for a failing output.
+
+    Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs and the
+    checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
+    it reached (the row's ``resumed_at``); ``log`` gets the messages about saved work (resumed,
+    or discarded because the job or the code changed)."""
     job = plan.job
     plan.dir.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
@@ -185,7 +205,8 @@ def run_model(plan: ModelPlan, progress: bool = True,
             emit(man.record(by_path[str(oc.out)], oc))
 
         produce_many([(opt, plan.dir / o.path) for o, opt in zip(outs, options)], source,
-                     force=True, progress=progress, on_done=done)
+                     force=True, progress=progress, on_done=done, work=plan.dir / WORK,
+                     work_key=model_key(job), log=log)
 
     first = [o for o in plan.make if o.kind != "exl2"]
     if first:
@@ -204,6 +225,9 @@ def run_model(plan: ModelPlan, progress: bool = True,
     if job.eval is not None:
         _evaluate(plan, man, source, progress, emit)
     man.write()
+    work = plan.dir / WORK
+    if work.is_dir() and not any(work.iterdir()):
+        work.rmdir()
     return rows
 
 
@@ -247,7 +271,8 @@ def closing_table(rows: list[Row]) -> str:
         bpw = f"{r.bpw:.3f}" if r.bpw else ""
         t = f"{r.seconds:.1f} s" if r.seconds else ""
         lines.append(f"{r.model[:20]:<20} {r.path[:36]:<36} {r.status:<7} {size:>11} {bpw:>7} {t:>8}"
-                     + (f"  {r.error}" if r.error else ""))
+                     + (f"  {r.error}" if r.error else "")
+                     + (f"  (resumed at layer {r.resumed_at})" if r.resumed_at else ""))
     made = sum(r.status == "made" for r in rows)
     kept = sum(r.status == "kept" for r in rows)
     failed = sum(r.status == "failed" for r in rows)

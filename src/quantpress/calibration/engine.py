@@ -269,12 +269,14 @@ class StreamingModel:
             raise IndexError(f"layer {index} of {self.num_layers}")
         return self._materialize(self._decoder.layers[index], f"{self.layer_prefix}{index}.")
 
-    def layers(self, progress: bool = True) -> Iterator[tuple[int, nn.Module]]:
-        """Yield ``(index, layer)`` for every decoder layer in order, loading each when it is
-        reached and dropping it when the caller asks for the next one (tqdm bar over layers)."""
+    def layers(self, progress: bool = True, start: int = 0) -> Iterator[tuple[int, nn.Module]]:
+        """Yield ``(index, layer)`` for every decoder layer from ``start`` on, in order, loading
+        each when it is reached and dropping it when the caller asks for the next one (tqdm
+        bar over layers)."""
         from tqdm.auto import tqdm
 
-        for i in tqdm(range(self.num_layers), desc="layers", unit="layer", disable=not progress):
+        for i in tqdm(range(start, self.num_layers), desc="layers", unit="layer", disable=not progress,
+                      initial=start, total=self.num_layers):
             layer = self.load_layer(i)
             yield i, layer
             del layer
@@ -497,7 +499,8 @@ def _hidden_device(model: StreamingModel, rows: int, seqlen: int, hidden_device)
 @torch.no_grad()
 def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory | None = None,
         on_layer: OnLayer | None = None, batch_size: int | None = None, hidden_device=None,
-        progress: bool = True, check_finite: bool = True) -> torch.Tensor:
+        progress: bool = True, check_finite: bool = True, checkpoint=None,
+        state=None) -> torch.Tensor:
     """Stream ``tokens`` (int64 [rows, seqlen]) through every decoder layer of ``model``.
 
     Per layer ``i`` (loaded alone onto the device):
@@ -516,7 +519,13 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
     < 40% of free CUDA memory, else CPU). Returns the last decoder layer's output (before the
     final norm), ``model.dtype`` [rows, seqlen, hidden] on ``hidden_device``; pass it to
     ``model.final_logits`` for logits. Raises InputError on bad tokens and on NaN/Inf hidden
-    states (naming the layer)."""
+    states (naming the layer).
+
+    ``checkpoint`` (a :class:`quantpress.calibration.checkpoint.LayerCheckpoint`) makes the
+    pass resumable: after each layer the hidden states and ``state.layer_state(i)`` are
+    committed, and a pass that finds finished layers hands their states to
+    ``state.restore(i, saved)``, then ``state.resumed(start)`` if it has it, and starts after
+    the last of them (``state``: e.g. a :class:`FanOut` whose consumers implement them)."""
     tokens = torch.as_tensor(tokens)
     if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise InputError(f"calibration tokens must be a non-empty [rows, seqlen] tensor, got "
@@ -524,8 +533,21 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
     rows, seqlen = tokens.shape
     bs = batch_size or rows
     hdev = _hidden_device(model, rows, seqlen, hidden_device)
-    hidden = model.embed(tokens, out_device=hdev, batch_size=bs)
-    for i, layer in model.layers(progress):
+    start = 0
+    if checkpoint is not None:
+        if state is None:
+            raise ValueError("a checkpointed pass needs the consumers' state (layer_state / restore)")
+        start, saved, states = checkpoint.start()
+        for i, st in enumerate(states):
+            state.restore(i, st)
+        if start and hasattr(state, "resumed"):
+            state.resumed(start)
+    if start:
+        hidden = saved.to(hdev, model.dtype)
+        del saved
+    else:
+        hidden = model.embed(tokens, out_device=hdev, batch_size=bs)
+    for i, layer in model.layers(progress, start):
         ctx = LayerContext(model, i, bs, hdev, check_finite)
         handle = hooks_factory(i, layer) if hooks_factory is not None else None
         try:
@@ -541,6 +563,8 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
                 outputs = replaced.to(hdev, model.dtype)
         del hidden, layer
         hidden = outputs
+        if checkpoint is not None:
+            checkpoint.commit(i, hidden, state.layer_state(i))
     return hidden
 
 
@@ -586,6 +610,36 @@ class FanOut:
                 continue
             handles.extend(h if isinstance(h, (list, tuple)) else [h])
         return handles
+
+    def layer_state(self, index: int) -> list:
+        """Each consumer's ``layer_state(index)`` (what it gathered on layer ``index``), for a
+        checkpointed pass (None for a consumer marked ``stateless``). ValueError when a
+        consumer cannot be checkpointed."""
+        out = []
+        for c in self.consumers:
+            f = getattr(c, "layer_state", None)
+            if f is None and not getattr(c, "stateless", False):
+                raise ValueError(f"{type(c).__name__} cannot be checkpointed (no layer_state)")
+            out.append(None if f is None else f(index))
+        return out
+
+    def restore(self, index: int, saved: list) -> None:
+        """Hand each consumer its saved state of layer ``index`` (a resumed pass)."""
+        if len(saved) != len(self.consumers):
+            raise ValueError(f"saved state of layer {index} holds {len(saved)} consumers, the pass "
+                             f"has {len(self.consumers)}")
+        for c, st in zip(self.consumers, saved):
+            f = getattr(c, "restore", None)
+            if f is not None:
+                f(index, st)
+
+    def resumed(self, start: int) -> None:
+        """Tell the consumers that have ``resumed(start)`` that every saved layer state was
+        restored and the pass goes on at layer ``start`` (a writer adopts its parts there)."""
+        for c in self.consumers:
+            f = getattr(c, "resumed", None)
+            if f is not None:
+                f(start)
 
     def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
                  ctx: LayerContext) -> None:

@@ -294,6 +294,21 @@ class Measurer:
             x = y  # the MLP block's input is the (unquantized) attention block's output
         return None
 
+    def layer_state(self, index: int) -> dict:
+        """What layer ``index`` added (option lists, content shares, GPTQ counts) and the
+        timings so far, for a checkpointed pass."""
+        keys = [layer_key(index, m) for m in MODULES]
+        return {"results": {k: self.results[k] for k in keys}, "content": {k: self.content[k] for k in keys},
+                "quantized": {k: self.quantized[k] for k in keys},
+                "timings": (self.timings.gptq, self.timings.forward)}
+
+    def restore(self, index: int, saved: dict) -> None:
+        """Take back layer ``index``'s saved measurement (a resumed pass)."""
+        self.results.update(saved["results"])
+        self.content.update(saved["content"])
+        self.quantized.update(saved["quantized"])
+        self.timings = Timings(*saved["timings"])
+
     def measure_module(self, index: int, layer: nn.Module, mode: str, x: torch.Tensor,
                        y_ref: torch.Tensor, col: HessianCapture, ctx) -> list[dict]:
         """Score every option of module ``mode`` of layer ``index`` on input ``x`` against the

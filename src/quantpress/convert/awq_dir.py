@@ -101,10 +101,11 @@ AWQ_LAYOUT = DirLayout("model", {"format": "pt"}, index=True, config_indent=2, c
                        copied=_copied, keep_file_metadata=True)
 
 
-def dir_writer(tmp_dir: Path, max_shard_bytes: int = 5 * 10 ** 9) -> ModelDirWriter:
-    """The writer of an AWQ directory in ``tmp_dir`` (created): :class:`ModelDirWriter` in
-    :data:`AWQ_LAYOUT`, shards of at most ``max_shard_bytes`` of tensor data."""
-    return ModelDirWriter(tmp_dir, AWQ_LAYOUT, max_shard_bytes)
+def dir_writer(tmp_dir: Path, max_shard_bytes: int = 5 * 10 ** 9, resume: bool = False) -> ModelDirWriter:
+    """The writer of an AWQ directory in ``tmp_dir`` (created; with ``resume`` it may exist,
+    see :meth:`ModelDirWriter.adopt`): :class:`ModelDirWriter` in :data:`AWQ_LAYOUT`, shards
+    of at most ``max_shard_bytes`` of tensor data."""
+    return ModelDirWriter(tmp_dir, AWQ_LAYOUT, max_shard_bytes, resume)
 
 
 def awq_config(source_config: dict, bits: int, group_size: int,

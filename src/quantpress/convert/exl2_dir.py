@@ -68,10 +68,12 @@ EXL2_LAYOUT = DirLayout("output", None, index=False, config_indent=4, config_new
                         copied=lambda f: not f.name.endswith(_NOT_COPIED_SUFFIXES))
 
 
-def dir_writer(tmp_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_MB * 1024 ** 2) -> ModelDirWriter:
-    """The writer of an EXL2 directory in ``tmp_dir`` (created): :class:`ModelDirWriter` in
-    :data:`EXL2_LAYOUT`; ``max_shard_bytes`` 0 = a single ``output.safetensors``."""
-    return ModelDirWriter(tmp_dir, EXL2_LAYOUT, max_shard_bytes)
+def dir_writer(tmp_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_MB * 1024 ** 2,
+               resume: bool = False) -> ModelDirWriter:
+    """The writer of an EXL2 directory in ``tmp_dir`` (created; with ``resume`` it may exist,
+    see :meth:`ModelDirWriter.adopt`): :class:`ModelDirWriter` in :data:`EXL2_LAYOUT`;
+    ``max_shard_bytes`` 0 = a single ``output.safetensors``."""
+    return ModelDirWriter(tmp_dir, EXL2_LAYOUT, max_shard_bytes, resume)
 
 
 def exl2_config(source_config: dict, bits: float, head_bits: int, rows: int, length: int,

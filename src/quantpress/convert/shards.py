@@ -170,6 +170,35 @@ class ShardSet:
         for k, t in tensors.items():
             self.sizes[k] = _nbytes(tuple(t.shape), t.dtype)
 
+    def state(self) -> list[tuple[str, dict[str, int]]]:
+        """The parts written so far: ``[(part file name, {tensor name: bytes})]`` in order (what
+        a resumed writer adopts, :meth:`adopt`)."""
+        out = []
+        for p in self._parts:
+            head, _ = read_header(p)
+            out.append((p.name, {k: self.sizes[k] for k in head}))
+        return out
+
+    def adopt(self, parts: list[tuple[str, dict[str, int]]]) -> None:
+        """Take over the part files of an interrupted writer in this directory: ``parts`` as
+        :meth:`state` gave them (checked: every file present with its tensors); they replace
+        whatever this set held, and any other part file (written after that state was saved)
+        is deleted. ValueError when a part is missing or differs."""
+        self._parts, self.sizes, keep = [], {}, set()
+        for name, sizes in parts:
+            p = self.dir / name
+            if not p.is_file():
+                raise ValueError(f"{p}: part file of the interrupted run is missing")
+            head, _ = read_header(p)
+            if set(head) != set(sizes):
+                raise ValueError(f"{p}: part file holds other tensors than recorded")
+            self._parts.append(p)
+            self.sizes.update(sizes)
+            keep.add(name)
+        for p in self.dir.glob(".part-*.safetensors"):
+            if p.name not in keep:
+                p.unlink()
+
     def plan(self) -> list[list[str]]:
         """Tensor names per shard, in the order added."""
         shards: list[list[str]] = [[]]
@@ -261,12 +290,21 @@ class ModelDirWriter:
     (copied from the parts piece by piece, :class:`ShardSet`), the index, ``config.json`` and
     the copied source files. Nothing is held in memory between calls."""
 
-    def __init__(self, tmp_dir: str | Path, layout: DirLayout, max_shard_bytes: int = 0):
+    def __init__(self, tmp_dir: str | Path, layout: DirLayout, max_shard_bytes: int = 0,
+                 resume: bool = False):
         self.dir = Path(tmp_dir)
-        self.dir.mkdir(parents=True, exist_ok=False)
+        self.dir.mkdir(parents=True, exist_ok=resume)
         self.layout = layout
         self.max_shard_bytes = int(max_shard_bytes)
         self._set = ShardSet(self.dir, self.max_shard_bytes)
+
+    def state(self) -> list[tuple[str, dict[str, int]]]:
+        """The parts written so far (:meth:`ShardSet.state`), for a checkpoint."""
+        return self._set.state()
+
+    def adopt(self, parts: list[tuple[str, dict[str, int]]]) -> None:
+        """Continue an interrupted writer in the same directory (:meth:`ShardSet.adopt`)."""
+        self._set.adopt(parts)
 
     @property
     def sizes(self) -> dict[str, int]:

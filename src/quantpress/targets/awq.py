@@ -100,6 +100,7 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     float16 or NaN/Inf activations (naming the tensor or layer)."""
 
     reference_stage = "layers"
+    resumable = True
     lq: cawq.LayerQuantizer | None = None
 
     def prepare(self, run: Run) -> None:
@@ -121,12 +122,14 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
             with run.stage("tokenize"):
                 self.rows, self.text = src.calibration_rows()
 
-    def _start(self, tmp: Path) -> None:
-        """The writer at ``tmp`` (embedding first) and the layer quantizer feeding it."""
+    def _start(self, tmp: Path, resume: bool = False) -> None:
+        """The writer at ``tmp`` (embedding first; with ``resume`` an interrupted one, whose
+        parts are adopted when the pass resumes) and the layer quantizer feeding it."""
         sm, o = self.sm, self.options
         self.results: list[cawq.LinearResult] = []
-        self.writer = awq_dir.dir_writer(tmp, self.max_shard)
-        self.writer.add(hfdir.embedding_fp16(sm))
+        self.writer = awq_dir.dir_writer(tmp, self.max_shard, resume=resume)
+        if not resume:
+            self.writer.add(hfdir.embedding_fp16(sm))
 
         def sink(index, tensors, res):
             self.writer.add(tensors)
@@ -136,14 +139,15 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
         if not o.rtn:
             self.lq.rows, self.lq.seqlen = self.rows.shape
 
-    def reference_consumer(self, tmp: Path, run: Run) -> cawq.LayerQuantizer | None:
+    def wants_reference(self) -> bool:
         """AWQ's capture and per-layer search run on the reference hidden states (AutoAWQ
-        feeds each layer the FP16 output of the unmodified previous one): the layer quantizer,
-        writing into ``tmp``. None with ``rtn`` (no calibration)."""
-        if self.options.rtn:
-            return None
-        self._start(tmp)
-        return self.lq
+        feeds each layer the FP16 output of the unmodified previous one); not with ``rtn``."""
+        return not self.options.rtn
+
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> "_AWQFeed":
+        """The layer quantizer, writing into ``tmp``, with its share of a checkpoint."""
+        self._start(tmp, resume)
+        return _AWQFeed(self)
 
     def write(self, tmp: Path, run: Run) -> None:
         sm, o = self.sm, self.options
@@ -191,3 +195,29 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
         return Summary(self.kind, o.label + (" (rtn)" if o.rtn else ""), out, str(self.source.path),
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)
+
+
+class _AWQFeed:
+    """The AWQ target's consumer of the reference pass: its layer quantizer's hooks and
+    ``on_layer``, and for a checkpointed pass each layer's results, the writer's parts so far
+    and the timings (:meth:`layer_state`), taken back by :meth:`restore` / :meth:`resumed`."""
+
+    def __init__(self, target: AWQTarget):
+        self.target = target
+        self.hooks = target.lq.hooks
+        self.on_layer = target.lq.on_layer
+        self._parts: list = []
+
+    def layer_state(self, index: int) -> dict:
+        t = self.target
+        p = f"{t.sm.layer_prefix}{index}."
+        return {"results": [r for r in t.results if r.name.startswith(p)], "parts": t.writer.state(),
+                "timings": dict(t.lq.timings)}
+
+    def restore(self, index: int, saved: dict) -> None:
+        self.target.results.extend(saved["results"])
+        self._parts = saved["parts"]
+        self.target.lq.timings = dict(saved["timings"])
+
+    def resumed(self, start: int) -> None:
+        self.target.writer.adopt(self._parts)

@@ -28,7 +28,7 @@ import contextlib
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -37,6 +37,7 @@ import torch
 from quantpress import assets
 from quantpress.calibration import data as cdata
 from quantpress.calibration import engine
+from quantpress.calibration.checkpoint import LayerCheckpoint, code_digest
 from quantpress.convert import loaders
 from quantpress.errors import InputError
 from quantpress.runtime import (DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype,
@@ -385,6 +386,13 @@ class Target(abc.ABC):
     output_is_dir: ClassVar[bool] = False
     #: the stage name under which a shared reference pass is timed (:meth:`reference_consumer`)
     reference_stage: ClassVar[str] = "reference pass"
+    #: whether the target continues an interrupted temporary output in a work directory
+    #: (:func:`produce_many` ``work``); the others start it afresh
+    resumable: ClassVar[bool] = False
+    #: set by :func:`produce_many` with ``work``: the directory, the checkpoint key, the logger
+    work: Path | None = None
+    work_key: dict = {}
+    log: Callable[[str], None] | None = None
 
     def __init_subclass__(cls, *, kind: str, options: type, output_is_dir: bool = False, **kw):
         super().__init_subclass__(**kw)
@@ -398,13 +406,27 @@ class Target(abc.ABC):
     def prepare(self, run: Run) -> None:
         """Check everything against the model before anything is written (InputError)."""
 
-    def reference_consumer(self, tmp: Path, run: Run) -> Any:
+    def wants_reference(self) -> bool:
+        """Whether :meth:`reference_consumer` has a consumer for the shared reference pass."""
+        return False
+
+    def checkpoint(self, extra: dict | None = None) -> LayerCheckpoint | None:
+        """The checkpoint of a pass of this target's own, ``<work>/<output name>.ckpt``, keyed
+        by ``work_key`` and ``extra`` (None without a work directory)."""
+        if self.work is None:
+            return None
+        name = self.work_key["output"]
+        return LayerCheckpoint(self.work / f"{name}.ckpt", name, {**self.work_key, **(extra or {})}, self.log)
+
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> Any:
         """For an output computed from the reference (unquantized) hidden states of the
         calibration rows: start the output at ``tmp`` and return its consumer (``hooks`` /
         ``on_layer``, :class:`quantpress.calibration.engine.FanOut`), which
         :func:`produce_many` feeds from one streamed pass shared by every such output of the
-        source; :meth:`write` then finishes without a pass of its own. None (the default): the
-        output has no such stage and :meth:`write` does everything."""
+        source; :meth:`write` then finishes without a pass of its own. ``resume``: the pass
+        continues a checkpoint, so an interrupted temporary output at ``tmp`` is continued
+        (its consumer implements ``layer_state`` / ``restore`` / ``resumed``). Called only when
+        :meth:`wants_reference`."""
         return None
 
     @classmethod
@@ -502,42 +524,67 @@ class Outcome:
 class _Trim:
     """The last consumer of a shared pass: gives the allocator the layer's temporaries back."""
 
+    stateless = True
+
     def on_layer(self, *args) -> None:
         trim_heap()
 
 
-def reference_pass(source: Source, consumers: list, progress: bool = True) -> None:
+def reference_pass(source: Source, consumers: list, progress: bool = True, checkpoint=None) -> None:
     """One streamed pass of the source's calibration rows through the unquantized model,
     feeding every consumer (:class:`quantpress.calibration.engine.FanOut`), in batches of
-    :meth:`Source.batch_rows` rows. Raises InputError on NaN/Inf hidden states."""
+    :meth:`Source.batch_rows` rows; resumable with ``checkpoint`` (a
+    :class:`quantpress.calibration.checkpoint.LayerCheckpoint`; the consumers then implement
+    ``layer_state`` / ``restore``). Raises InputError on NaN/Inf hidden states."""
     rows, _ = source.calibration_rows()
     fan = engine.FanOut([*consumers, _Trim()])
     engine.run(source.streaming_model(), rows, hooks_factory=fan.hooks, on_layer=fan.on_layer,
-               batch_size=source.batch_rows(rows.shape[1]), progress=progress)
+               batch_size=source.batch_rows(rows.shape[1]), progress=progress,
+               checkpoint=checkpoint, state=fan)
+
+
+def _plain(o: Any) -> Any:
+    """A dataclass's fields as JSON values (a checkpoint key)."""
+    return {f.name: getattr(o, f.name) for f in fields(o)}
 
 
 def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Path, *,
                  force: bool = False, progress: bool = True,
-                 on_done: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+                 on_done: Callable[[Outcome], None] | None = None,
+                 work: str | Path | None = None, work_key: dict | None = None,
+                 log: Callable[[str], None] | None = None) -> list[Outcome]:
     """Make several verified outputs of one source, sharing what they can: the runner every
     output goes through (:func:`produce` is this with one item).
 
     ``items``: (registered options dataclass, output path) pairs. For each: options validated,
     output path checked, :meth:`Target.prepare`. Then the outputs computed from the reference
-    hidden states (:meth:`Target.reference_consumer`) are fed by one shared streamed pass
-    (:func:`reference_pass`, timed as each target's ``reference_stage``); the others are
-    written by their kind's :meth:`Target.write_together` (GGUF policies from one read of each
-    tensor). Each output is then finished (:meth:`Target.write`), verified (stage "verify")
-    and renamed into place, and ``on_done`` is called with its :class:`Outcome`.
+    hidden states (:meth:`Target.wants_reference`, :meth:`Target.reference_consumer`) are fed
+    by one shared streamed pass (:func:`reference_pass`, timed as each target's
+    ``reference_stage``); the others are written by their kind's :meth:`Target.write_together`
+    (GGUF policies from one read of each tensor). Each output is then finished
+    (:meth:`Target.write`), verified (stage "verify") and renamed into place, and ``on_done``
+    is called with its :class:`Outcome`.
+
+    ``work``: a directory for resumable work (``quantize batch``'s ``.work/``): the temporary
+    outputs live there as ``<name>.partial`` and the layer-streamed passes keep checkpoints
+    (:class:`quantpress.calibration.checkpoint.LayerCheckpoint`, keyed by ``work_key``, the
+    outputs' options and the code digest), so that a run killed in a pass resumes at the layer
+    it reached (``details["resumed_at_layer"]`` of the summaries says where); ``log`` gets the
+    messages about saved work. Without ``work``, temporary siblings of the outputs.
 
     A failure (bad input, failed round trip, NaN activations, out of memory) fails the outputs
     it concerns (a shared stage: all of its outputs), leaves nothing of them behind and does
     not stop the others. Returns the outcomes in the order of ``items``."""
     if not isinstance(source, Source):
         source = Source(source, progress=progress)
+    work = None if work is None else Path(work)
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+    key = {**(work_key or {}), "code": code_digest()} if work is not None else {}
     outcomes = [Outcome(o, Path(out)) for o, out in items]
     live: list[tuple[Outcome, Target, Run, Path, float]] = []
     tmps: list[Path] = []
+    interrupted = True
 
     def fail(oc: Outcome, e: Exception) -> None:
         oc.error = e
@@ -553,42 +600,53 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
                 check_output(oc.out, cls.output_is_dir, force)
                 run = Run(progress)
                 target = cls(source, oc.options)
+                if work is not None:
+                    target.work = work
+                    target.work_key = {**key, "output": oc.out.name, "options": _plain(oc.options)}
+                    target.log = log
                 target.prepare(run)
             except Exception as e:
                 fail(oc, e)
                 continue
-            tmp = temp_path(oc.out)
-            _remove(tmp)
+            tmp = temp_path(oc.out) if work is None else work / f"{oc.out.name}.partial"
+            if work is None or not cls.resumable:
+                _remove(tmp)
             tmps.append(tmp)
             live.append((oc, target, run, tmp, t0))
 
-        fed = []
-        for entry in live:
+        fed = [e for e in live if e[1].wants_reference()]
+        ckpt = None
+        if fed and work is not None:
+            ckpt = LayerCheckpoint(work / "reference.ckpt", "reference",
+                                   {**key, "outputs": [[e[0].out.name, _plain(e[0].options)] for e in fed]},
+                                   log)
+        first = ckpt.start()[0] if ckpt is not None else 0
+        consumers = []
+        for entry in fed:
             oc, target, run, tmp, _ = entry
+            if not first:
+                _remove(tmp)
             try:
-                c = target.reference_consumer(tmp, run)
+                consumers.append(target.reference_consumer(tmp, run, resume=bool(first)))
             except Exception as e:
                 fail(oc, e)
-                continue
-            if c is not None:
-                fed.append((entry, c))
+        fed = [e for e in fed if e[0].error is None]
         if fed:
             t0 = time.perf_counter()
             try:
-                reference_pass(source, [c for _, c in fed], progress)
+                reference_pass(source, [c for c in consumers if c is not None], progress, ckpt)
             except Exception as e:
-                for (oc, *_), _c in fed:
+                for oc, *_ in fed:
                     fail(oc, e)
             dt = time.perf_counter() - t0
-            for (oc, target, run, _, _), _c in fed:
+            for oc, target, run, _, _ in fed:
                 run.stages[type(target).reference_stage] = dt
-        fed_ids = {id(e[1]) for e, _ in fed}
+        fed_ids = {id(e[1]) for e in fed}
 
         groups: dict[type, list] = {}
         for entry in live:
             if entry[0].error is None and id(entry[1]) not in fed_ids:
                 groups.setdefault(type(entry[1]), []).append(entry)
-        written = {id(e[1]) for e, _ in fed}
         for cls, group in groups.items():
             grun = Run(progress)
             try:
@@ -600,7 +658,6 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
             for entry in group:
                 for k, v in grun.stages.items():
                     entry[2].stages[k] = entry[2].stages.get(k, 0.0) + v
-                written.add(id(entry[1]))
 
         for oc, target, run, tmp, t0 in live:
             if oc.error is not None:
@@ -614,18 +671,28 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
                 install(tmp, oc.out)
             except Exception as e:
                 _remove(tmp)
+                if work is not None:  # a failed output's own checkpoint is no use
+                    _remove(work / f"{oc.out.name}.ckpt")
                 fail(oc, e)
                 continue
             s = target.summary(oc.out, roundtrip, run)
             s.files = output_files(oc.out)
             s.stages = dict(run.stages)
             s.seconds = time.perf_counter() - t0
+            if id(target) in fed_ids and ckpt is not None and ckpt.resumed_at:
+                s.details["resumed_at_layer"] = ckpt.resumed_at
+            elif getattr(target, "resumed_at", 0):
+                s.details["resumed_at_layer"] = target.resumed_at
             oc.summary = s
             if on_done is not None:
                 on_done(oc)
+        if ckpt is not None:
+            ckpt.remove()
+        interrupted = False
     finally:
-        for tmp in tmps:
-            _remove(tmp)
+        if work is None or not interrupted:  # an interrupted batch keeps its work to resume
+            for tmp in tmps:
+                _remove(tmp)
     return outcomes
 
 

@@ -32,7 +32,9 @@ Stages of the directory:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,8 +318,12 @@ class EXL2MeasurementTarget(Target, kind="measurement", options=EXL2MeasurementO
         self.m = _EXL2Model(self.source)
         self.m.calibrate(run)
 
-    def reference_consumer(self, tmp: Path, run: Run) -> cm.Measurer:
+    def wants_reference(self) -> bool:
         """exllamav2 measures every module on the reference hidden states."""
+        return True
+
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> cm.Measurer:
+        """The measurer (the file is written at the end: nothing to resume in ``tmp``)."""
         self.measurer = self.m.measurer()
         return self.measurer
 
@@ -354,7 +360,9 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
     in_features > 65535 or not a multiple of 32, too little calibration text, non-HF input."""
 
     reference_stage = "measurement"
+    resumable = True
     measurer: cm.Measurer | None = None
+    resumed_at = 0
 
     def prepare(self, run: Run) -> None:
         o = self.options
@@ -368,11 +376,13 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         m.calibrate(run)
         self.detail: dict[str, float] = {}
 
-    def reference_consumer(self, tmp: Path, run: Run) -> cm.Measurer | None:
-        """Without :attr:`EXL2Options.measurement`, the measurement pass (on the reference
-        hidden states); None when a measurement is reused."""
-        if self.meas is not None:
-            return None
+    def wants_reference(self) -> bool:
+        """Without :attr:`EXL2Options.measurement`, the measurement pass runs on the reference
+        hidden states; not when a measurement is reused."""
+        return self.meas is None
+
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> cm.Measurer:
+        """The measurer (the measurement is made in memory: nothing to resume in ``tmp``)."""
         self.measurer = self.m.measurer()
         return self.measurer
 
@@ -413,23 +423,25 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         o, m, sm = self.options, self.m, self.m.sm
         self._allocate(run)
         self.records: list[cm.LinearRecord] = []
-        writer = exl2_dir.dir_writer(tmp, self.max_shard)
+        strategy = hashlib.sha256(json.dumps(self.strategy, sort_keys=True).encode()).hexdigest()
+        ckpt = self.checkpoint({"strategy": strategy})
+        first = ckpt.start()[0] if ckpt is not None else 0
+        if not first and tmp.exists():  # an interrupted run's directory without a checkpoint
+            shutil.rmtree(tmp)
+        writer = exl2_dir.dir_writer(tmp, self.max_shard, resume=bool(first))
         with run.stage("quantization"):
-            writer.add(hfdir.embedding_fp16(sm))
+            if not first:
+                writer.add(hfdir.embedding_fp16(sm))
 
             def sink(index, tensors, recs):
                 writer.add(tensors)
                 self.records.extend(recs)
 
             q = cm.Quantizer(self.strategy, int(m.rows.shape[0]), sink, prefix=sm.layer_prefix)
-
-            def on_layer(i, layer, inputs, outputs, ctx):
-                y = q.on_layer(i, layer, inputs, outputs, ctx)
-                trim_heap()
-                return y
-
-            hidden = engine.run(sm, m.rows, hooks_factory=q.hooks, on_layer=on_layer,
-                                batch_size=m.batch, progress=run.progress)
+            state = _QuantState(self, q, writer)
+            hidden = engine.run(sm, m.rows, hooks_factory=q.hooks, on_layer=state.on_layer,
+                                batch_size=m.batch, progress=run.progress, checkpoint=ckpt, state=state)
+        self.resumed_at = first
         with run.stage("head"):
             tail = hfdir.norm_fp16(sm)
             self.head = q.quantize_head(sm, hidden, self.head_qp, m.batch, tail)
@@ -450,6 +462,8 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                                     self.meas.last_module_idx, self.meas.content_share)
         self.expected = set(writer.sizes)
         self.tensor_bytes = writer.total_bytes
+        if ckpt is not None:
+            ckpt.remove()
 
     def verify(self, tmp: Path, run: Run) -> str:
         return verify_exl2_dir(tmp, self.records, self.expected)
@@ -493,3 +507,31 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         return Summary(self.kind, o.label, out, str(self.source.path),
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)
+
+
+class _QuantState:
+    """The quantization pass's consumer (:class:`quantpress.calibration.exl2_measure.Quantizer`
+    returning the quantized layer's output) and its share of a checkpoint: each layer's
+    records, the writer's parts so far and the timings."""
+
+    def __init__(self, target: "EXL2Target", q: cm.Quantizer, writer):
+        self.target, self.q, self.writer = target, q, writer
+        self._parts: list = []
+
+    def on_layer(self, i, layer, inputs, outputs, ctx):
+        y = self.q.on_layer(i, layer, inputs, outputs, ctx)
+        trim_heap()
+        return y
+
+    def layer_state(self, index: int) -> dict:
+        p = f"{self.q.prefix}{index}."
+        return {"records": [r for r in self.target.records if r.name.startswith(p)],
+                "parts": self.writer.state(), "timings": (self.q.timings.gptq, self.q.timings.forward)}
+
+    def restore(self, index: int, saved: dict) -> None:
+        self.target.records.extend(saved["records"])
+        self._parts = saved["parts"]
+        self.q.timings = cm.Timings(*saved["timings"])
+
+    def resumed(self, start: int) -> None:
+        self.writer.adopt(self._parts)

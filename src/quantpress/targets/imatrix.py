@@ -52,6 +52,15 @@ class ImatrixCollector:
         """Hook layer ``index``'s linears (removed by the engine after its forward)."""
         return self.col(index, layer)
 
+    def layer_state(self, index: int) -> dict:
+        """The statistics of layer ``index``'s linears (a checkpointed pass)."""
+        p = f"{self.col.prefix}{index}."
+        return {k: v for k, v in self.col.stats.items() if k.startswith(p)}
+
+    def restore(self, index: int, saved: dict) -> None:
+        """Take back layer ``index``'s saved statistics (a resumed pass)."""
+        self.col.stats.update(saved)
+
     def entries(self) -> dict[str, tuple[torch.Tensor, int]]:
         """``{GGUF weight name: (in_sum2 float32 [K], token count)}`` (llama.cpp
         ``IMatrixCollector::collect_imatrix`` for dense weights; ``output.weight`` left out, as
@@ -116,8 +125,12 @@ class ImatrixTarget(Target, kind="imatrix", options=ImatrixOptions):
         with run.stage("tokenize"):
             self.rows, self.text = self.source.calibration_rows()
 
-    def reference_consumer(self, tmp: Path, run: Run) -> ImatrixCollector:
+    def wants_reference(self) -> bool:
         """Σx² is taken on the reference hidden states, as llama-imatrix does."""
+        return True
+
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> ImatrixCollector:
+        """The Σx² collector (the file is written at the end: nothing to resume in ``tmp``)."""
         self.collector = ImatrixCollector(self.source)
         return self.collector
 

@@ -50,3 +50,31 @@ def synth_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Synthetic llama with 2 layers (fast), hidden 256, GQA, untied."""
     return synth.make_model(tmp_path_factory.mktemp("tiny_llama"), "llama", smollm2_dir, num_hidden_layers=2)
+
+
+# SmolLM2 runs shared by test_exl2_smollm2, test_awq_smollm2 and test_batch_smollm2
+# (tests/smollm2_runs.py): made once per session
+
+@pytest.fixture(scope="session")
+def exl2_smollm2_measurement(smollm2_dir) -> Path:
+    """SmolLM2's measurement.json (4 × 128 calibration tokens, CPU; cached by content key)."""
+    import smollm2_runs
+
+    return smollm2_runs.measurement(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def exl2_smollm2_quality(exl2_smollm2_measurement, smollm2_dir, tmp_path_factory):
+    """scripts/exl2_quality.py's outputs from that measurement (:func:`smollm2_runs.quality`)."""
+    import smollm2_runs
+
+    return smollm2_runs.quality(exl2_smollm2_measurement, smollm2_dir,
+                                tmp_path_factory.mktemp("exl2_smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_awq_pair(smollm2_dir, tmp_path_factory):
+    """SmolLM2 AWQ w4g64 and its round-to-nearest baseline (:func:`smollm2_runs.awq_pair`)."""
+    import smollm2_runs
+
+    return smollm2_runs.awq_pair(smollm2_dir, tmp_path_factory.mktemp("smollm2_awq"))

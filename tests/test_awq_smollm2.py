@@ -9,22 +9,19 @@ import json
 import pytest
 import torch
 
-import make
 from quantpress.calibration import engine
 from quantpress.convert import awq_dir
 from quantpress.targets import ComputeOptions
 from quantpress.targets.eval import EvalOptions, evaluate
 
-SAMPLES, SEQLEN = 4, 128  # 512 calibration tokens (CI time; the clipping search uses 512 anyway)
+from smollm2_runs import ROWS as SAMPLES, SEQLEN  # 512 calibration tokens (CI time)
+
 EVAL_CHUNKS = 6
 
 
 @pytest.fixture(scope="module")
-def smollm2_awq(tmp_path_factory, smollm2_dir):
-    root = tmp_path_factory.mktemp("smollm2_awq")
-    a = make.awq(smollm2_dir, root / "awq-g64", group_size=64, samples=SAMPLES, seqlen=SEQLEN)
-    r = make.awq(smollm2_dir, root / "rtn-g64", group_size=64, rtn=True)
-    return a, r
+def smollm2_awq(smollm2_awq_pair):
+    return smollm2_awq_pair
 
 
 def test_summary_and_layout(smollm2_awq, smollm2_dir):

@@ -13,6 +13,7 @@
     imatrix = true                             # also <name>.imatrix.gguf (quantize imatrix)
     awq = [{ group_size = 128 }]               # each table: the options of quantize awq
     exl2 = [{ bpw = 4.0 }, { bpw = 6.0, head_bits = 8 }]   # the options of quantize exl2
+    exl2_measurement = "m.json"                # optional: reuse it (quantize exl2 --measurement)
     eval = true                                # or { ctx = 512, chunks = 20, text = "FILE" }
 
 Keys are the single verbs' option names with ``_`` for ``-`` (``group_size``, ``head_bits``,
@@ -37,8 +38,8 @@ from quantpress.targets import (AWQOptions, CalibOptions, ComputeOptions, EXL2Me
 from quantpress.targets.eval import EvalOptions
 
 #: keys of a [[model]] entry (and of [defaults], but for source and name)
-MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "exl2", "eval", "device", "dtype",
-              "batch_tokens", "calib")
+MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "exl2", "exl2_measurement", "eval",
+              "device", "dtype", "batch_tokens", "calib")
 #: keys of the calib table → CalibOptions fields
 CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
 #: file name of the EXL2 measurement shared by a model's EXL2 outputs
@@ -216,10 +217,21 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
         label = o.label + ("-rtn" if o.rtn else "")
         out.append(OutputJob("awq", label, f"{name}-AWQ-{label}", o))
     exl2 = _list_of(where, "exl2", e.get("exl2", []), dict, "tables")
-    if exl2:
+    reuse = e.get("exl2_measurement")
+    if reuse is not None:
+        if not isinstance(reuse, str) or not exl2:
+            raise InputError(f"{where}: exl2_measurement = {reuse!r}: expected the path of a "
+                             f"measurement.json, with exl2 targets to use it")
+        reuse = Path(reuse).expanduser()
+        reuse = str(reuse if reuse.is_absolute() else (base / reuse).resolve())
+        if not Path(reuse).is_file():
+            raise InputError(f"{where}: exl2_measurement {reuse}: no such file")
+    elif exl2:
         out.append(OutputJob("measurement", "exl2", MEASUREMENT_FILE, EXL2MeasurementOptions()))
     for i, t in enumerate(exl2):
         o = build_options(EXL2Options, t, f"{where}: exl2[{i}]", exclude=("measurement",))
+        if reuse is not None:
+            o = replace(o, measurement=reuse)
         label = _exl2_label(o.bpw)
         out.append(OutputJob("exl2", label, f"{name}-EXL2-{label}bpw", o))
     ev = e.get("eval", False)

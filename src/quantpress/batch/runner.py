@@ -212,7 +212,9 @@ def run_model(plan: ModelPlan, progress: bool = True,
     if first:
         produce_all(first, [o.options for o in first])
     exl2 = [o for o in plan.make if o.kind == "exl2"]
-    if exl2:
+    if exl2 and exl2[0].options.measurement is not None:  # exl2_measurement: reused as given
+        produce_all(exl2, [o.options for o in exl2])
+    elif exl2:
         meas = man.entries.get(MEASUREMENT_FILE)
         if meas is None or meas.get("roundtrip") != "ok":
             err = InputError(f"{plan.dir / MEASUREMENT_FILE}: the EXL2 measurement failed "

@@ -1,0 +1,145 @@
+"""``scripts/gpu_checks.py`` smoke-tested on the CPU: with ``--device-b cpu`` it compares the CPU
+with itself, so every check must come out identical; its comparisons report a difference when
+there is one; and asking for CUDA where there is none exits 2 with one line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_checks.py"
+TYPES = ["F16", "Q4_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K"]
+FAST = ["--samples", "2", "--seqlen", "32", "--eval-ctx", "32", "--eval-chunks", "1",
+        "--types", ",".join(TYPES + ["IQ4_NL"]), "--shapes", "64x256,8x4096", "--repeat", "1"]
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, smollm2_dir):
+    """One CPU-vs-CPU run of the whole script on the random 2-layer llama; its outputs kept."""
+    d = tmp_path_factory.mktemp("gpu_checks")
+    out, work = d / "report.json", d / "work"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--device-b", "cpu", "--out", str(out),
+                        "--work", str(work), "--tokenizer", str(smollm2_dir), *FAST],
+                       env=_env(), capture_output=True, text=True, timeout=900)
+    return p, out, work
+
+
+def test_cpu_against_cpu_is_identical_everywhere(smoke):
+    p, out, _ = smoke
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["devices"] == {"a": "cpu", "b": "cpu"} and r["torch"] and r["seconds"] > 0
+    assert {"device", "cuda", "checks"} <= set(r)
+    checks = r["checks"]
+    assert set(checks) == {"ggml", "awq", "exl2", "stages", "batch"}
+    for name, c in checks.items():
+        assert "error" not in c, (name, c.get("traceback"))
+        assert c["identical"] is True and c["pass"] is True, name
+
+    g = checks["ggml"]
+    assert sorted(g["types"]) == sorted(TYPES) and g["unknown_types"] == ["IQ4_NL"]
+    for t, v in g["types"].items():
+        assert set(v["shapes"]) >= {"64x256", "8x4096"}, t
+        for s in v["shapes"].values():
+            assert s["bytes_identical"] and s["dequant_identical"] and s["a_s"] >= 0 and s["b_s"] >= 0
+
+    awq, exl2 = checks["awq"], checks["exl2"]
+    assert len(awq["linears"]) == 14    # 2 layers x 7 linears (lm_head stays FP16 in AWQ)
+    for v in awq["linears"].values():
+        assert v["max_abs_diff"] == 0.0 and v["qweight_identical"] == 1.0 and v["max_step"] > 0
+    assert "lm_head" in exl2["linears"] and len(exl2["linears"]) == 15
+    assert exl2["allocation_identical"] and len(exl2["layers_a"]) == 2
+    for v in exl2["linears"].values():
+        assert v["max_abs_diff"] == 0.0 and v["q_weight_identical"] == 1.0 and v["max_step"] > 0
+    assert all(awq["files_identical"].values()) and all(exl2["files_identical"].values())
+
+    st = checks["stages"]
+    for kind in ("awq", "exl2"):
+        assert st[kind]["stages"] and all(v["a"] is not None and v["b"] is not None
+                                          for v in st[kind]["stages"].values())
+    assert "measurement" in st["exl2"]["stages"]
+
+    b = checks["batch"]
+    paths = {"tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf", "tiny.imatrix.gguf", "tiny-AWQ-w4g64",
+             "measurement.json", "tiny-EXL2-4.0bpw", "tiny-EXL2-5.0bpw"}
+    assert set(b["outputs_identical"]) == paths and all(b["outputs_identical"].values())
+    for side in ("a", "b"):
+        assert b[side]["exit_code"] == 0 and b[side]["seconds"] > 0
+        assert {row["path"] for row in b[side]["rows"]} == paths
+        assert b[side]["eval"]["tiny-Q8_0.gguf"]["kld"] >= 0
+
+
+def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
+    """The same comparison functions on outputs made to differ: not identical, and the
+    tolerances fail where the difference exceeds them."""
+    import gpu_checks
+    from safetensors.torch import load_file, save_file
+
+    p, _, work = smoke
+    assert p.returncode == 0, p.stderr[-3000:]
+    # AWQ: one qweight word of one linear changed (its nibbles all flipped)
+    other = tmp_path / "awq-b"
+    shutil.copytree(work / "awq-b", other)
+    f = sorted(other.glob("*.safetensors"))[0]
+    tensors = load_file(f)
+    name = "model.layers.0.mlp.down_proj.qweight"
+    tensors[name][0, 0] = ~tensors[name][0, 0]
+    save_file(tensors, f, metadata={"format": "pt"})
+    c = gpu_checks.compare_awq(work / "awq-a", other)
+    assert c["identical"] is False and c["pass"] is False
+    bad = c["linears"]["model.layers.0.mlp.down_proj"]
+    assert bad["qweight_identical"] < 1.0 and bad["max_abs_diff"] > bad["max_step"] > 0
+    assert c["linears"]["model.layers.1.mlp.down_proj"]["max_abs_diff"] == 0.0
+
+    # EXL2: another allocation for one layer
+    alloc = [{"layer": 0, "attn": 1, "mlp": 2}, {"layer": 1, "attn": 1, "mlp": 2}]
+    moved = [dict(alloc[0]), dict(alloc[1], mlp=3)]
+    c = gpu_checks.compare_exl2(work / "exl2-a", work / "exl2-b", alloc, moved)
+    assert c["allocation_identical"] is False and c["identical"] is False and c["pass"] is False
+
+    # batch: one output with another checksum, one run failed
+    ok = {"exit_code": 0, "seconds": 1.0, "rows": [{"path": "x.gguf", "status": "made"}],
+          "manifest": {"x.gguf": {"files": {"x.gguf": "00"}, "eval": None, "roundtrip": "ok"}}}
+    changed = json.loads(json.dumps(ok))
+    changed["manifest"]["x.gguf"]["files"]["x.gguf"] = "11"
+    c = gpu_checks.compare_batches(ok, changed)
+    assert c["identical"] is False and c["pass"] is True
+    failed = dict(ok, exit_code=3, rows=[{"path": "x.gguf", "status": "failed"}])
+    assert gpu_checks.compare_batches(ok, failed)["pass"] is False
+
+    # ggml: device B's bytes differ in one bit (device "cpu-b" = the CPU, one byte flipped)
+    real = gpu_checks.time_quantize
+
+    def flipped_on_b(x, name, device, repeat, **kw):
+        raw, deq, t = real(x, name, "cpu", repeat, **kw)
+        if device == "cpu-b":
+            raw = raw.clone()
+            raw[0, 0] ^= 1
+        return raw, deq, t
+
+    monkeypatch.setattr(gpu_checks, "time_quantize", flipped_on_b)
+    c = gpu_checks.check_ggml(["Q8_0", "Q4_K"], [(4, 256)], "cpu", "cpu-b", repeat=1)
+    assert c["identical"] is False and c["pass"] is False
+    for t in ("Q8_0", "Q4_K"):
+        s = c["types"][t]["shapes"]["4x256"]
+        assert s["bytes_identical"] is False and s["differing_bytes"] == 1 and s["dequant_identical"]
+
+
+def test_no_cuda_exits_2_with_one_line(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)],
+                       env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA is not available" in lines[0] and p.stdout == ""
+    assert not out.exists()

@@ -12,25 +12,17 @@ output is byte-identical between the two ways.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_gguf import measure  # noqa: E402
+from bench_gguf import measure  # noqa: E402  (also puts tests/ on sys.path)
+from make import digests  # noqa: E402
 from quantpress import assets  # noqa: E402
 
 BIN = Path(sys.executable).parent
-
-
-def digests(p: Path) -> dict[str, str]:
-    """sha256 of a file, or of every file below a directory."""
-    if p.is_file():
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
-    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(p.rglob("*")) if f.is_file()}
 
 
 def main() -> None:

@@ -282,7 +282,6 @@ def compare_exl2(dir_a: Path, dir_b: Path, alloc_a: list[dict], alloc_b: list[di
     max_step). Returns {"identical" (every file byte-identical), "pass" (same allocation and
     every linear passes), "allocation_identical", "layers_a", "layers_b", "tolerance",
     "files_identical", "linears"}."""
-    import torch
     from quantpress.convert.exl2_dir import EXL2Weights
 
     wa, wb = EXL2Weights(dir_a), EXL2Weights(dir_b)

@@ -54,3 +54,15 @@ def evaluate(base, outputs=(), text=None, ctx: int = 512, chunks: int | None = N
 
     return run(base, list(outputs), EvalOptions(None if text is None else str(text), ctx, chunks),
                ComputeOptions(device=device), progress=progress, cal_dir=cal_dir)
+
+
+def digests(p) -> dict[str, str]:
+    """SHA-256 of an output: a file → {its name: digest}; a directory → every file below it by
+    relative path."""
+    import hashlib
+
+    p = Path(p)
+    if p.is_file():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
+    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(p.rglob("*")) if f.is_file()}

@@ -3,7 +3,6 @@ the manifest and model card describe them, a re-run keeps what is finished, bad 
 refused before any work, and a failing output does not stop the batch."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -59,11 +58,7 @@ awq = [{{ group_size = 64 }}]
     return path
 
 
-def _digests(p: Path) -> dict[str, str]:
-    if p.is_file():
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
-    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(p.rglob("*")) if f.is_file()}
+_digests = make.digests
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +207,26 @@ def test_out_root_on_a_file_and_foreign_outputs(tmp_path, tiny_llama_dir, capsys
     assert sorted(p.name for p in (out / "tiny").iterdir()) == ["tiny-Q8_0.gguf"]
 
 
+def _two_models(path: Path, first: Path, second: Path, second_outputs: str) -> Path:
+    """A job of two models on 2 × 32 calibration tokens: ``a`` (GGUF Q8_0 and AWQ g64) and
+    ``b`` with ``second_outputs`` (TOML lines)."""
+    path.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = 2, seqlen = 32 }}
+[[model]]
+source = "{first}"
+name = "a"
+gguf = ["Q8_0"]
+awq = [{{ group_size = 64 }}]
+[[model]]
+source = "{second}"
+name = "b"
+{second_outputs}
+""")
+    return path
+
+
 def test_a_failing_output_does_not_stop_the_batch(tmp_path, tiny_llama_dir, second_dir, monkeypatch, capsys):
     """A broken AWQ round trip fails the AWQ outputs (exit 3, marked failed in the manifest, no
     directory left); the GGUF outputs of both models are made."""
@@ -222,21 +237,7 @@ def test_a_failing_output_does_not_stop_the_batch(tmp_path, tiny_llama_dir, seco
         raise RoundTripError("round trip failed: injected")
 
     monkeypatch.setattr(tawq, "verify_awq_dir", broken)
-    job = tmp_path / "j.toml"
-    job.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = 2, seqlen = 32 }}
-[[model]]
-source = "{tiny_llama_dir}"
-name = "a"
-gguf = ["Q8_0"]
-awq = [{{ group_size = 64 }}]
-[[model]]
-source = "{second_dir}"
-name = "b"
-gguf = ["Q8_0"]
-""")
+    job = _two_models(tmp_path / "j.toml", tiny_llama_dir, second_dir, 'gguf = ["Q8_0"]')
     out = tmp_path / "out"
     assert quantize_main(["batch", str(job), "-o", str(out), "--quiet"]) == 3
     table = capsys.readouterr().out
@@ -259,22 +260,7 @@ def _manifest_without_times(p: Path) -> dict:
 def test_ray_gives_the_outputs_and_manifests_of_the_local_run(tmp_path, tiny_llama_dir, second_dir):
     """``--ray`` on a local Ray instance: two models as two tasks, the same files and the same
     manifests (but for the seconds) as the run in this process."""
-    job = tmp_path / "j.toml"
-    job.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = 2, seqlen = 32 }}
-[[model]]
-source = "{tiny_llama_dir}"
-name = "a"
-gguf = ["Q8_0"]
-awq = [{{ group_size = 64 }}]
-[[model]]
-source = "{second_dir}"
-name = "b"
-gguf = ["Q4_0"]
-imatrix = true
-""")
+    job = _two_models(tmp_path / "j.toml", tiny_llama_dir, second_dir, 'gguf = ["Q4_0"]\nimatrix = true')
     local, viaray = tmp_path / "local", tmp_path / "ray"
     assert quantize_main(["batch", str(job), "-o", str(local), "--quiet"]) == 0
     assert quantize_main(["batch", str(job), "-o", str(viaray), "--quiet", "--ray"]) == 0
@@ -313,17 +299,27 @@ def three_layer_dir(tmp_path_factory, smollm2_dir) -> Path:
                             num_hidden_layers=3)
 
 
-def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
-    """SIGKILL after layer 1 of the shared reference pass, then after layer 0 of the EXL2
-    quantization pass: each re-run goes on from the saved layer (it says so, and the manifest
-    records it), keeps the outputs already finished, and the outputs equal those of a run
-    never interrupted, byte for byte."""
+def _batch_process(job: Path, out: Path, kill: str | None = None):
+    """``quantize batch JOB -o OUT --quiet --json`` in a subprocess (one thread), with the
+    checkpoints' kill hook set to ``kill`` ("<pass>:<layer>") or unset."""
     import os
     import subprocess
     import sys
 
     from quantpress.calibration.checkpoint import KILL_HOOK
 
+    env = {k: v for k, v in os.environ.items() if k != KILL_HOOK}
+    env.update(OMP_NUM_THREADS="1", **({KILL_HOOK: kill} if kill else {}))
+    quantize = Path(sys.executable).parent / "quantize"
+    return subprocess.run([str(quantize), "batch", str(job), "-o", str(out), "--quiet", "--json"],
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
+    """SIGKILL after layer 1 of the shared reference pass, then after layer 0 of the EXL2
+    quantization pass: each re-run goes on from the saved layer (it says so, and the manifest
+    records it), keeps the outputs already finished, and the outputs equal those of a run
+    never interrupted, byte for byte."""
     job = tmp_path / "j.toml"
     job.write_text(f"""
 [defaults]
@@ -339,13 +335,9 @@ exl2 = [{{ bpw = 4.0 }}]
     whole = tmp_path / "whole"
     assert quantize_main(["batch", str(job), "-o", str(whole), "--quiet"]) == 0
     out = tmp_path / "out"
-    quantize = Path(sys.executable).parent / "quantize"
-    env = {k: v for k, v in os.environ.items() if k != KILL_HOOK}
 
     def run(kill: str | None):
-        e = dict(env, OMP_NUM_THREADS="1", **({KILL_HOOK: kill} if kill else {}))
-        return subprocess.run([str(quantize), "batch", str(job), "-o", str(out), "--quiet", "--json"],
-                              env=e, capture_output=True, text=True, timeout=900)
+        return _batch_process(job, out, kill)
 
     p = run("reference:1")
     assert p.returncode == -9, p.stderr[-2000:]
@@ -375,12 +367,6 @@ exl2 = [{{ bpw = 4.0 }}]
 def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):
     """A pass killed under one job, re-run after the job changed: the saved layers are not
     used (message), and the output equals a fresh run's."""
-    import os
-    import subprocess
-    import sys
-
-    from quantpress.calibration.checkpoint import KILL_HOOK
-
     def job(samples: int) -> Path:
         j = tmp_path / f"j{samples}.toml"
         j.write_text(f"""
@@ -395,14 +381,9 @@ imatrix = true
         return j
 
     out, fresh = tmp_path / "out", tmp_path / "fresh"
-    quantize = Path(sys.executable).parent / "quantize"
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{KILL_HOOK: "reference:0"})
-    p = subprocess.run([str(quantize), "batch", str(job(2)), "-o", str(out), "--quiet"], env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = _batch_process(job(2), out, "reference:0")
     assert p.returncode == -9, p.stderr[-2000:]
-    env.pop(KILL_HOOK)
-    p = subprocess.run([str(quantize), "batch", str(job(3)), "-o", str(out), "--quiet"], env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = _batch_process(job(3), out)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "saved work under" in p.stderr and "another job or code version; discarded" in p.stderr
     assert quantize_main(["batch", str(job(3)), "-o", str(fresh), "--quiet"]) == 0

@@ -9,7 +9,6 @@ For CI time the EXL2 targets reuse the session's cached measurement (``exl2_meas
 with the single verb on tiny models (tests/test_batch.py)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -22,11 +21,7 @@ from smollm2_runs import ROWS, SEQLEN
 EVAL_CHUNKS, EVAL_CTX = 2, 256
 
 
-def _digests(p: Path) -> dict[str, str]:
-    if p.is_file():
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
-    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(p.rglob("*")) if f.is_file()}
+_digests = make.digests
 
 
 @pytest.fixture(scope="module")

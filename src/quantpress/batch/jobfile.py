@@ -77,16 +77,6 @@ class ModelJob:
         """``model[i] (name)``, for messages."""
         return f"model[{self.index}] ({self.name})"
 
-    def job_key(self) -> dict:
-        """What the outputs depend on (source, compute, calibration, every output's options),
-        JSON-able: saved work is discarded when it changes."""
-        def opts(o):
-            return {f.name: getattr(o, f.name) for f in fields(o)}
-        return {"source": str(self.source), "compute": opts(self.compute), "calib": opts(self.calib),
-                "outputs": [{"kind": o.kind, "path": o.path, "options": opts(o.options)}
-                            for o in self.outputs],
-                "eval": None if self.eval is None else opts(self.eval)}
-
 
 # --------------------------------------------------------------------------------------------
 # Typed tables → options dataclasses

@@ -22,29 +22,23 @@ output fails keeps what finished, marks the failure in its manifest and the batc
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
 from quantpress.errors import InputError, RoundTripError
-from quantpress.targets.base import Outcome, Source, produce_many
+from quantpress.targets.base import Outcome, Source, options_json, produce_many
 
 #: output kinds that are models (evaluated with ``eval = true``)
 MODEL_KINDS = ("gguf", "awq", "exl2")
 
 
-def _plain(o) -> dict:
-    """A dataclass's fields as JSON values (as the manifest stores them)."""
-    return json.loads(json.dumps({f.name: getattr(o, f.name) for f in fields(o)}))
-
-
 def model_key(job: ModelJob) -> dict:
     """What every output of a model depends on besides its own options: the source,
     compute and calibration options (JSON values)."""
-    return {"source": str(job.source), "compute": _plain(job.compute), "calib": _plain(job.calib)}
+    return {"source": str(job.source), "compute": options_json(job.compute), "calib": options_json(job.calib)}
 
 
 @dataclass
@@ -70,7 +64,7 @@ def plan_model(job: ModelJob, out_root: Path, force: bool = False) -> ModelPlan:
     for o in job.outputs:
         e = by_path.get(o.path)
         if (same_model and e is not None and e.get("roundtrip") == "ok"
-                and e.get("options") == _plain(o.options) and mf.intact(mdir, e)):
+                and e.get("options") == options_json(o.options) and mf.intact(mdir, e)):
             keep.append(o)
             continue
         p = mdir / o.path
@@ -131,7 +125,7 @@ class _Manifest:
     def record(self, o: OutputJob, oc: Outcome) -> Row:
         p = self.plan.dir / o.path
         base = {"kind": o.kind, "target": o.target, "path": o.path, "is_dir": p.is_dir(),
-                "options": _plain(o.options)}
+                "options": options_json(o.options)}
         if oc.ok:
             s = oc.summary
             self.entries[o.path] = {**base, "files": mf.file_digests(p), "bytes": s.bytes,
@@ -240,7 +234,7 @@ def _evaluate(plan: ModelPlan, man: _Manifest, source: Source, progress: bool,
     from quantpress.targets.eval import evaluate
 
     job = plan.job
-    opts = _plain(job.eval)
+    opts = options_json(job.eval)
     if man.doc.get("eval_options") != opts:
         for e in man.entries.values():
             e["eval"] = None
@@ -288,17 +282,6 @@ def exit_code(rows: list[Row]) -> int:
     if not codes:
         return 0
     return 3 if 3 in codes else 2 if 2 in codes else 1
-
-
-def run_batch(jobs: list[ModelJob], out_root: str | Path, force: bool = False,
-              progress: bool = True, on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Plan every model first (InputError before any work for an output path this batch did
-    not make, unless ``force``), then make them one after the other in this process. Returns
-    the rows of every output."""
-    out_root = Path(out_root)
-    plans = [plan_model(j, out_root, force) for j in jobs]
-    out_root.mkdir(parents=True, exist_ok=True)
-    return run_plans(plans, progress, on_row)
 
 
 def run_plans(plans: list[ModelPlan], progress: bool = True,

@@ -149,6 +149,7 @@ class ShardSet:
         self.dir = Path(directory)
         self.max_shard_bytes = int(max_shard_bytes)
         self._parts: list[Path] = []
+        self._part_sizes: list[dict[str, int]] = []  # per part: name → bytes
         self.sizes: dict[str, int] = {}  # name → bytes, in the order added
 
     @property
@@ -166,25 +167,22 @@ class ShardSet:
             raise ValueError(f"tensor(s) {dup[:3]} written twice")
         p = self.dir / f".part-{len(self._parts):05d}.safetensors"
         write_safetensors(p, tensors)
+        sizes = {k: _nbytes(tuple(t.shape), t.dtype) for k, t in tensors.items()}
         self._parts.append(p)
-        for k, t in tensors.items():
-            self.sizes[k] = _nbytes(tuple(t.shape), t.dtype)
+        self._part_sizes.append(sizes)
+        self.sizes.update(sizes)
 
     def state(self) -> list[tuple[str, dict[str, int]]]:
         """The parts written so far: ``[(part file name, {tensor name: bytes})]`` in order (what
         a resumed writer adopts, :meth:`adopt`)."""
-        out = []
-        for p in self._parts:
-            head, _ = read_header(p)
-            out.append((p.name, {k: self.sizes[k] for k in head}))
-        return out
+        return [(p.name, dict(sizes)) for p, sizes in zip(self._parts, self._part_sizes)]
 
     def adopt(self, parts: list[tuple[str, dict[str, int]]]) -> None:
         """Take over the part files of an interrupted writer in this directory: ``parts`` as
         :meth:`state` gave them (checked: every file present with its tensors); they replace
         whatever this set held, and any other part file (written after that state was saved)
         is deleted. ValueError when a part is missing or differs."""
-        self._parts, self.sizes, keep = [], {}, set()
+        self._parts, self._part_sizes, self.sizes, keep = [], [], {}, set()
         for name, sizes in parts:
             p = self.dir / name
             if not p.is_file():
@@ -193,6 +191,7 @@ class ShardSet:
             if set(head) != set(sizes):
                 raise ValueError(f"{p}: part file holds other tensors than recorded")
             self._parts.append(p)
+            self._part_sizes.append(dict(sizes))
             self.sizes.update(sizes)
             keep.add(name)
         for p in self.dir.glob(".part-*.safetensors"):
@@ -253,6 +252,7 @@ class ShardSet:
         for p in self._parts:
             os.unlink(p)
         self._parts.clear()
+        self._part_sizes.clear()
         return weight_map
 
 

@@ -19,7 +19,7 @@ from quantpress.convert import awq_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
-from quantpress.targets.base import Run, Summary, Target, reference_pass
+from quantpress.targets.base import Run, Summary, Target, WriterShare, reference_pass
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,11 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
         feeds each layer the FP16 output of the unmodified previous one); not with ``rtn``."""
         return not self.options.rtn
 
-    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> "_AWQFeed":
+    def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> WriterShare:
         """The layer quantizer, writing into ``tmp``, with its share of a checkpoint."""
         self._start(tmp, resume)
-        return _AWQFeed(self)
+        return WriterShare(self.writer, self.results, self.sm.layer_prefix, self.lq,
+                           hooks=self.lq.hooks, on_layer=self.lq.on_layer)
 
     def write(self, tmp: Path, run: Run) -> None:
         sm, o = self.sm, self.options
@@ -196,28 +197,3 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)
 
-
-class _AWQFeed:
-    """The AWQ target's consumer of the reference pass: its layer quantizer's hooks and
-    ``on_layer``, and for a checkpointed pass each layer's results, the writer's parts so far
-    and the timings (:meth:`layer_state`), taken back by :meth:`restore` / :meth:`resumed`."""
-
-    def __init__(self, target: AWQTarget):
-        self.target = target
-        self.hooks = target.lq.hooks
-        self.on_layer = target.lq.on_layer
-        self._parts: list = []
-
-    def layer_state(self, index: int) -> dict:
-        t = self.target
-        p = f"{t.sm.layer_prefix}{index}."
-        return {"results": [r for r in t.results if r.name.startswith(p)], "parts": t.writer.state(),
-                "timings": dict(t.lq.timings)}
-
-    def restore(self, index: int, saved: dict) -> None:
-        self.target.results.extend(saved["results"])
-        self._parts = saved["parts"]
-        self.target.lq.timings = dict(saved["timings"])
-
-    def resumed(self, start: int) -> None:
-        self.target.writer.adopt(self._parts)

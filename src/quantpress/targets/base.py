@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
+import json
 import os
 import shutil
 import time
@@ -543,9 +545,41 @@ def reference_pass(source: Source, consumers: list, progress: bool = True, check
                checkpoint=checkpoint, state=fan)
 
 
-def _plain(o: Any) -> Any:
-    """A dataclass's fields as JSON values (a checkpoint key)."""
-    return {f.name: getattr(o, f.name) for f in fields(o)}
+def options_json(o: Any) -> dict:
+    """An options dataclass's fields as JSON values (checkpoint keys, batch manifests)."""
+    return json.loads(json.dumps({f.name: getattr(o, f.name) for f in fields(o)}))
+
+
+class WriterShare:
+    """A checkpointed pass's share of a consumer that writes each layer's tensors with a
+    :class:`quantpress.convert.shards.ModelDirWriter` and keeps one record per linear
+    (``records``, names starting with ``prefix`` + the layer index): per layer, that layer's
+    records, the writer's parts so far and a copy of ``timed.timings``
+    (:meth:`layer_state`); a resumed pass gives them back in order (:meth:`restore`) and the
+    writer adopts its parts (:meth:`resumed`). ``hooks`` / ``on_layer``, when given, make it
+    the consumer itself (:class:`quantpress.calibration.engine.FanOut`)."""
+
+    def __init__(self, writer, records: list, prefix: str, timed: Any,
+                 hooks: Callable | None = None, on_layer: Callable | None = None):
+        self.writer, self.records, self.prefix, self.timed = writer, records, prefix, timed
+        if hooks is not None:
+            self.hooks = hooks
+        if on_layer is not None:
+            self.on_layer = on_layer
+        self._parts: list = []
+
+    def layer_state(self, index: int) -> dict:
+        p = f"{self.prefix}{index}."
+        return {"records": [r for r in self.records if r.name.startswith(p)],
+                "parts": self.writer.state(), "timings": copy.copy(self.timed.timings)}
+
+    def restore(self, index: int, saved: dict) -> None:
+        self.records.extend(saved["records"])
+        self._parts = saved["parts"]
+        self.timed.timings = copy.copy(saved["timings"])
+
+    def resumed(self, start: int) -> None:
+        self.writer.adopt(self._parts)
 
 
 def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Path, *,
@@ -602,7 +636,7 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
                 target = cls(source, oc.options)
                 if work is not None:
                     target.work = work
-                    target.work_key = {**key, "output": oc.out.name, "options": _plain(oc.options)}
+                    target.work_key = {**key, "output": oc.out.name, "options": options_json(oc.options)}
                     target.log = log
                 target.prepare(run)
             except Exception as e:
@@ -618,7 +652,7 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
         ckpt = None
         if fed and work is not None:
             ckpt = LayerCheckpoint(work / "reference.ckpt", "reference",
-                                   {**key, "outputs": [[e[0].out.name, _plain(e[0].options)] for e in fed]},
+                                   {**key, "outputs": [[e[0].out.name, options_json(e[0].options)] for e in fed]},
                                    log)
         first = ckpt.start()[0] if ckpt is not None else 0
         consumers = []

@@ -50,7 +50,7 @@ from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import exl2 as qexl2
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
-from quantpress.targets.base import Run, Source, Summary, Target, reference_pass
+from quantpress.targets.base import Run, Source, Summary, Target, WriterShare, reference_pass
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 #: the achieved decoder bpw lies in [target − BPW_WINDOW, target] (dearer options are taken
@@ -438,9 +438,15 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                 self.records.extend(recs)
 
             q = cm.Quantizer(self.strategy, int(m.rows.shape[0]), sink, prefix=sm.layer_prefix)
-            state = _QuantState(self, q, writer)
-            hidden = engine.run(sm, m.rows, hooks_factory=q.hooks, on_layer=state.on_layer,
-                                batch_size=m.batch, progress=run.progress, checkpoint=ckpt, state=state)
+
+            def on_layer(i, layer, inputs, outputs, ctx):
+                y = q.on_layer(i, layer, inputs, outputs, ctx)
+                trim_heap()
+                return y
+
+            hidden = engine.run(sm, m.rows, hooks_factory=q.hooks, on_layer=on_layer,
+                                batch_size=m.batch, progress=run.progress, checkpoint=ckpt,
+                                state=WriterShare(writer, self.records, sm.layer_prefix, q))
         self.resumed_at = first
         with run.stage("head"):
             tail = hfdir.norm_fp16(sm)
@@ -508,30 +514,3 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)
 
-
-class _QuantState:
-    """The quantization pass's consumer (:class:`quantpress.calibration.exl2_measure.Quantizer`
-    returning the quantized layer's output) and its share of a checkpoint: each layer's
-    records, the writer's parts so far and the timings."""
-
-    def __init__(self, target: "EXL2Target", q: cm.Quantizer, writer):
-        self.target, self.q, self.writer = target, q, writer
-        self._parts: list = []
-
-    def on_layer(self, i, layer, inputs, outputs, ctx):
-        y = self.q.on_layer(i, layer, inputs, outputs, ctx)
-        trim_heap()
-        return y
-
-    def layer_state(self, index: int) -> dict:
-        p = f"{self.q.prefix}{index}."
-        return {"records": [r for r in self.target.records if r.name.startswith(p)],
-                "parts": self.writer.state(), "timings": (self.q.timings.gptq, self.q.timings.forward)}
-
-    def restore(self, index: int, saved: dict) -> None:
-        self.target.records.extend(saved["records"])
-        self._parts = saved["parts"]
-        self.q.timings = cm.Timings(*saved["timings"])
-
-    def resumed(self, start: int) -> None:
-        self.writer.adopt(self._parts)

@@ -10,6 +10,7 @@ import pytest
 import synth
 import make
 from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.targets import FP8Options, GPTQOptions, produce
 
 CALIB = dict(samples=4, seqlen=64)
 
@@ -53,6 +54,8 @@ eval = {{ ctx = 64, chunks = 2 }}
 source = "{qwen2}"
 gguf = ["Q8_0"]
 awq = [{{ group_size = 64 }}]
+gptq = [{{ group_size = 64, act_order = true }}]
+fp8 = [{{ scheme = "static" }}]
 """
     path.write_text(text)
     return path
@@ -96,6 +99,11 @@ def test_outputs_equal_the_single_verbs(batch, tiny_llama_dir, second_dir, tmp_p
     src2 = make.source(second_dir, **CALIB)
     make.awq(src2, single / "q-awq", group_size=64)
     assert _digests(q / f"{second_dir.name}-AWQ-w4g64") == _digests(single / "q-awq")
+    # GPTQ (its own quantized stream) and FP8 static (input scales from the shared pass)
+    produce(GPTQOptions(group_size=64, act_order=True), src2, single / "q-gptq", progress=False)
+    produce(FP8Options(scheme="static"), src2, single / "q-fp8", progress=False)
+    assert _digests(q / f"{second_dir.name}-GPTQ-w4g64-act") == _digests(single / "q-gptq")
+    assert _digests(q / f"{second_dir.name}-FP8-static") == _digests(single / "q-fp8")
 
 
 def test_manifest_and_model_card(batch):
@@ -131,7 +139,7 @@ def test_rerun_keeps_finished_outputs(batch, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
     assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["status"] for r in rows} == {"kept"} and len(rows) == 9
+    assert {r["status"] for r in rows} == {"kept"} and len(rows) == 11
     after = {p.name: p.stat().st_mtime_ns for p in d.iterdir() if p.name not in ("manifest.json", "README.md")}
     assert all(after[k] == before[k] for k in after)
     # a damaged output is made again, the rest kept
@@ -173,6 +181,9 @@ BAD = [
     ("same name twice", "[[model]]\nsource = '{src}'\ngguf=['Q8_0']\n[[model]]\nsource = '{src}'\ngguf=['Q4_0']", r"model\[0\] and model\[1\] both write"),
     ("bad device", "[defaults]\ndevice = 'bogus'\n[[model]]\nsource = '{src}'\nname = 'm'\ngguf=['Q8_0']", "bogus"),
     ("calib type", "[defaults]\ncalib = {{ samples = 'many' }}\n[[model]]\nsource = '{src}'\nname = 'm'\nimatrix = true", r"calib: samples = 'many': expected an integer"),
+    ("bad gptq option", "[[model]]\nsource = '{src}'\nname = 'm'\ngptq = [{{ bits = 3 }}]", r"gptq\[0\]: --bits 3"),
+    ("bad fp8 scheme", "[[model]]\nsource = '{src}'\nname = 'm'\nfp8 = [{{ scheme = 'int8' }}]", r"fp8\[0\]: --scheme 'int8'"),
+    ("fp8 ignore type", "[[model]]\nsource = '{src}'\nname = 'm'\nfp8 = [{{ ignore = 'lm_head' }}]", r"fp8\[0\]: ignore = 'lm_head': expected a list of strings"),
     ("no outputs", "[[model]]\nsource = '{src}'\nname = 'm'", "no outputs"),
     ("source in defaults", "[defaults]\nsource = '{src}'\n[[model]]\nsource = '{src}'\ngguf=['Q8_0']", r"\[defaults\]: key 'source' not allowed"),
 ]
@@ -362,6 +373,32 @@ exl2 = [{{ bpw = 4.0 }}]
     assert not (out / "m" / ".work").exists()
     for name in ("m.imatrix.gguf", "m-AWQ-w4g64", "measurement.json", "m-EXL2-4.0bpw"):
         assert _digests(out / "m" / name) == _digests(whole / "m" / name), name
+
+
+def test_killed_gptq_pass_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
+    """SIGKILL after layer 1 of a GPTQ pass: the re-run goes on from layer 2 and the output
+    equals the single verb's byte for byte."""
+    job = tmp_path / "j.toml"
+    job.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = 2, seqlen = 32 }}
+[[model]]
+source = "{three_layer_dir}"
+name = "m"
+gptq = [{{ group_size = 64 }}]
+""")
+    out = tmp_path / "out"
+    p = _batch_process(job, out, "m-GPTQ-w4g64:1")
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert json.loads((out / "m" / ".work" / "m-GPTQ-w4g64.ckpt" / "done.json").read_text()) == {"layer": 1}
+    p = _batch_process(job, out)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "m-GPTQ-w4g64: resuming at layer 2 (layers 0-1 kept" in p.stderr
+    assert [(r["status"], r["resumed_at"]) for r in json.loads(p.stdout)] == [("made", 2)]
+    produce(GPTQOptions(group_size=64), make.source(three_layer_dir, samples=2, seqlen=32),
+            tmp_path / "single", progress=False)
+    assert _digests(out / "m" / "m-GPTQ-w4g64") == _digests(tmp_path / "single")
 
 
 def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):

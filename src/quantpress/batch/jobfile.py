@@ -12,6 +12,8 @@
     gguf = ["Q4_K_M", "Q6_K", "Q8_0"]          # policies, as convert hf-to-gguf --policy
     imatrix = true                             # also <name>.imatrix.gguf (quantize imatrix)
     awq = [{ group_size = 128 }]               # each table: the options of quantize awq
+    gptq = [{ group_size = 128 }]              # each table: the options of quantize gptq
+    fp8 = [{ scheme = "dynamic" }]             # each table: the options of quantize fp8
     exl2 = [{ bpw = 4.0 }, { bpw = 6.0, head_bits = 8 }]   # the options of quantize exl2
     exl2_measurement = "m.json"                # optional: reuse it (quantize exl2 --measurement)
     eval = true                                # or { ctx = 512, chunks = 20, text = "FILE" }
@@ -34,12 +36,12 @@ from typing import Any
 
 from quantpress.errors import InputError
 from quantpress.targets import (AWQOptions, CalibOptions, ComputeOptions, EXL2MeasurementOptions,
-                                EXL2Options, GGUFOptions, ImatrixOptions)
+                                EXL2Options, FP8Options, GGUFOptions, GPTQOptions, ImatrixOptions)
 from quantpress.targets.eval import EvalOptions
 
 #: keys of a [[model]] entry (and of [defaults], but for source and name)
-MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "exl2", "exl2_measurement", "eval",
-              "device", "dtype", "batch_tokens", "calib")
+MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "gptq", "fp8", "exl2", "exl2_measurement",
+              "eval", "device", "dtype", "batch_tokens", "calib")
 #: keys of the calib table → CalibOptions fields
 CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
 #: file name of the EXL2 measurement shared by a model's EXL2 outputs
@@ -81,7 +83,8 @@ class ModelJob:
 # --------------------------------------------------------------------------------------------
 # Typed tables → options dataclasses
 
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
+          "tuple[str, ...]": (tuple,)}
 
 
 def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
@@ -95,7 +98,8 @@ def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
         if isinstance(value, allowed):
             return
     want = " or ".join({"int": "an integer", "float": "a number", "bool": "true/false",
-                        "str": "a string", "None": "absent"}.get(n, n) for n in names)
+                        "str": "a string", "None": "absent",
+                        "tuple[str, ...]": "a list of strings"}.get(n, n) for n in names)
     raise InputError(f"{where}: {key} = {value!r}: expected {want}")
 
 
@@ -206,6 +210,15 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
         o = build_options(AWQOptions, t, f"{where}: awq[{i}]")
         label = o.label + ("-rtn" if o.rtn else "")
         out.append(OutputJob("awq", label, f"{name}-AWQ-{label}", o))
+    for i, t in enumerate(_list_of(where, "gptq", e.get("gptq", []), dict, "tables")):
+        o = build_options(GPTQOptions, t, f"{where}: gptq[{i}]")
+        label = o.label + ("-rtn" if o.rtn else "")
+        out.append(OutputJob("gptq", label, f"{name}-GPTQ-{label}", o))
+    for i, t in enumerate(_list_of(where, "fp8", e.get("fp8", []), dict, "tables")):
+        if isinstance(t.get("ignore"), list):
+            t = {**t, "ignore": tuple(t["ignore"])}
+        o = build_options(FP8Options, t, f"{where}: fp8[{i}]")
+        out.append(OutputJob("fp8", o.scheme, f"{name}-{o.label}", o))
     exl2 = _list_of(where, "exl2", e.get("exl2", []), dict, "tables")
     reuse = e.get("exl2_measurement")
     if reuse is not None:
@@ -232,7 +245,7 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
     elif _bool(where, "eval", ev):
         job.eval = EvalOptions()
     if not out:
-        raise InputError(f"{where}: no outputs (give gguf, imatrix, awq or exl2)")
+        raise InputError(f"{where}: no outputs (give gguf, imatrix, awq, gptq, fp8 or exl2)")
     seen: dict[str, int] = {}
     for o in out:
         if o.path in seen:
@@ -321,6 +334,13 @@ def estimate(job: ModelJob) -> dict:
             g = o.options.group_size
             sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
             calibrated |= not o.options.rtn
+        elif o.kind == "gptq":
+            g = o.options.group_size if o.options.group_size > 0 else 1 << 30
+            sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
+            calibrated |= not o.options.rtn
+        elif o.kind == "fp8":
+            sizes[o.path] = int(linear + 2 * (total - linear))
+            calibrated |= o.options.scheme == "static"
         elif o.kind == "exl2":
             sizes[o.path] = int(linear * o.options.bpw / 8 + 2 * (total - linear))
             calibrated = True

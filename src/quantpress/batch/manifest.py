@@ -20,6 +20,8 @@ MANIFEST = "manifest.json"
 CARD = "README.md"
 #: which runtimes load each kind of output (model card column)
 RUNTIMES = {"gguf": "llama.cpp, Ollama, LM Studio", "awq": "vLLM, transformers (AutoAWQ GEMM)",
+            "gptq": "vLLM (gptq / Marlin), transformers with gptqmodel",
+            "fp8": "vLLM, transformers (compressed-tensors)",
             "exl2": "ExLlamaV2, TabbyAPI", "imatrix": "llama-quantize --imatrix",
             "measurement": "exllamav2 convert.py -m, quantize exl2 --measurement"}
 CHUNK = 1 << 22

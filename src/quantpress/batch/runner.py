@@ -32,7 +32,7 @@ from quantpress.errors import InputError, RoundTripError
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
 
 #: output kinds that are models (evaluated with ``eval = true``)
-MODEL_KINDS = ("gguf", "awq", "exl2")
+MODEL_KINDS = ("gguf", "awq", "gptq", "fp8", "exl2")
 
 
 def model_key(job: ModelJob) -> dict:
@@ -308,9 +308,13 @@ def plan_text(plans: list[ModelPlan]) -> str:
             stages.append("GGUF policies from one read of each tensor")
         shared = [k for k in ("imatrix", "awq", "measurement") if k in kinds
                   and not (k == "awq" and all(o.options.rtn for o in p.make if o.kind == "awq"))]
+        if any(o.kind == "fp8" and o.options.scheme == "static" for o in p.make):
+            shared.append("fp8 static input scales")
         if shared:
             stages.append(f"one calibration pass ({j.calib.samples} x {j.calib.seqlen} tokens) "
                           f"feeding {', '.join(shared)}")
+        if "gptq" in kinds:
+            stages.append(f"{sum(o.kind == 'gptq' for o in p.make)} GPTQ pass(es)")
         if "exl2" in kinds:
             stages.append(f"{sum(o.kind == 'exl2' for o in p.make)} EXL2 quantization pass(es)")
         if j.eval is not None:

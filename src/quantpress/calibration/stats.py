@@ -11,6 +11,9 @@ statistic      storage                     use / source reproduced
 ``sq_sum``     float64 [K]                 Σx²: llama.cpp imatrix ``in_sum2``
                                            (``IMatrixCollector::collect_imatrix``)
 ``xtx``        ``hessian_dtype`` [K, K]    ΣxᵀX: GPTQ / exllamav2 Hessian, H = 2/n·XᵀX
+``abs_max``    float32 [K]                 max |x| (kind ``amax``, not in the default kinds):
+                                           FP8 static ``input_scale`` = max / 448
+                                           (llm-compressor ``static_minmax`` observer)
 =============  ==========================  ====================================================
 
 Every batch is reduced in float32 on the activations' device (Σ|x|, Σx² and XᵀX of the batch);
@@ -31,13 +34,16 @@ from torch import nn
 from quantpress.errors import InputError
 
 ALL_KINDS = frozenset({"abs", "sq", "hessian"})
+#: every statistic a collector can be asked for (the default, :data:`ALL_KINDS`, and ``amax``)
+KNOWN_KINDS = ALL_KINDS | {"amax"}
 
 
 @dataclass
 class LinearStats:
     """Running input statistics of one linear layer named ``name`` with ``in_features`` = K.
 
-    ``kinds`` ⊆ {"abs", "sq", "hessian"} selects what is accumulated (the count always is).
+    ``kinds`` ⊆ {"abs", "sq", "hessian", "amax"} selects what is accumulated (the count always
+    is).
     Accumulators live on ``device`` (where the activations are)."""
 
     name: str
@@ -49,11 +55,12 @@ class LinearStats:
     abs_sum: torch.Tensor | None = None
     sq_sum: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
+    abs_max: torch.Tensor | None = None
 
     def __post_init__(self):
-        unknown = set(self.kinds) - ALL_KINDS
+        unknown = set(self.kinds) - KNOWN_KINDS
         if unknown:
-            raise ValueError(f"unknown statistics {sorted(unknown)}; known: {sorted(ALL_KINDS)}")
+            raise ValueError(f"unknown statistics {sorted(unknown)}; known: {sorted(KNOWN_KINDS)}")
         self.kinds = frozenset(self.kinds)
         k = self.in_features
         if "abs" in self.kinds and self.abs_sum is None:
@@ -62,6 +69,8 @@ class LinearStats:
             self.sq_sum = torch.zeros(k, dtype=torch.float64, device=self.device)
         if "hessian" in self.kinds and self.xtx is None:
             self.xtx = torch.zeros(k, k, dtype=self.hessian_dtype, device=self.device)
+        if "amax" in self.kinds and self.abs_max is None:
+            self.abs_max = torch.zeros(k, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
@@ -83,6 +92,8 @@ class LinearStats:
             self.sq_sum += x.square().sum(0, dtype=torch.float32).to(self.sq_sum.device, torch.float64)
         if self.xtx is not None:
             self.xtx += (x.T @ x).to(self.xtx.device, self.xtx.dtype)
+        if self.abs_max is not None:
+            torch.maximum(self.abs_max, x.abs().amax(0).to(self.abs_max.device), out=self.abs_max)
 
     def _need(self, kind: str, what: str):
         if kind not in self.kinds:
@@ -110,6 +121,13 @@ class LinearStats:
         self._need("sq", "imatrix")
         return self.sq_sum.float(), self.count
 
+    def amax(self) -> torch.Tensor:
+        """Largest |x| per input channel over every token seen, float32 [K] (exact: a max of
+        the activations as computed); ``.max()`` of it is the per-tensor amax of llm-compressor's
+        ``static_minmax`` observer."""
+        self._need("amax", "amax")
+        return self.abs_max.clone()
+
     def hessian(self) -> torch.Tensor:
         """GPTQ / exllamav2 Hessian H = 2/n · XᵀX, ``hessian_dtype`` [K, K], n = token count
         (GPTQ ``add_batch`` running average; exllamav2 ``AdaptiveGPTQ.add_batch``)."""
@@ -119,7 +137,7 @@ class LinearStats:
     def to(self, device) -> "LinearStats":
         """Move the accumulators to ``device`` (in place); returns self."""
         self.device = device
-        for a in ("abs_sum", "sq_sum", "xtx"):
+        for a in ("abs_sum", "sq_sum", "xtx", "abs_max"):
             t = getattr(self, a)
             if t is not None:
                 setattr(self, a, t.to(device))

@@ -3,6 +3,8 @@
   quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf   (llama-quantize's job, verified)
   quantize imatrix MODEL -o imatrix.gguf [--calib FILE] [--samples N --seqlen L]
   quantize awq MODEL -o OUT_DIR [--group-size 128] [--rtn] [--no-clip]
+  quantize gptq MODEL -o OUT_DIR [--bits 4] [--group-size 128] [--act-order] [--asym]
+  quantize fp8 MODEL -o OUT_DIR [--scheme dynamic|static|block] [--ignore NAME ...]
   quantize exl2 MODEL --bpw 4.25 -o OUT_DIR [--head-bits 6] [--measurement FILE | --measure-only FILE]
   quantize eval BASE [OUTPUT ...] [--text FILE] [--ctx 512] [--json]
   quantize batch JOBS.toml -o OUT_ROOT [--dry-run] [--ray [ADDRESS]] [--device cpu] [--force] [--json]
@@ -58,6 +60,38 @@ def add_verbs(sub) -> None:
                    help="plain round-to-nearest (no calibration), same quantizer and packing: the baseline")
     a.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     common.verb_options(a, _awq, calib=True)
+
+    q = sub.add_parser("gptq", help="GPTQ (Hessian-based, layer by layer) to a GPTQ checkpoint "
+                                    "directory (vLLM gptq/Marlin, transformers with gptqmodel)")
+    q.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    _out_args(q, help="output directory")
+    q.add_argument("--bits", type=int, default=4, help="weight bits: 4 (default) or 8")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="input rows per scale and zero point: 128 (default), 32, 64, or -1 (one per column)")
+    q.add_argument("--sym", dest="sym", action="store_true", default=True,
+                   help="symmetric quantization, zero point 2^(bits-1) (default; what Marlin takes)")
+    q.add_argument("--asym", dest="sym", action="store_false", help="asymmetric (min-max zero points)")
+    q.add_argument("--act-order", action="store_true",
+                   help="quantize inputs by descending Hessian diagonal (desc_act: true, with g_idx)")
+    q.add_argument("--damp", type=float, default=0.01,
+                   help="damping: fraction of the mean Hessian diagonal added to it (default 0.01)")
+    q.add_argument("--rtn", action="store_true",
+                   help="plain round-to-nearest (no calibration), same groups and packing: the baseline")
+    q.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    common.verb_options(q, _gptq, calib=True)
+
+    f = sub.add_parser("fp8", help="FP8 E4M3 weights (and activation scales) in the "
+                                   "compressed-tensors format (vLLM, transformers)")
+    f.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    _out_args(f, help="output directory")
+    f.add_argument("--scheme", default="dynamic",
+                   help="dynamic: per-channel weight scales, per-token activation scales at run "
+                        "time (default; no calibration); static: per-tensor weight scales and "
+                        "calibrated input_scale; block: one scale per 128x128 weight block")
+    f.add_argument("--ignore", nargs="+", default=[], metavar="NAME",
+                   help="more linears to keep unquantized besides lm_head: module names or re:REGEX")
+    f.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    common.verb_options(f, _fp8, calib=True)
 
     x = sub.add_parser("exl2", help="EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a target "
                                     "bits per weight")
@@ -127,6 +161,22 @@ def _awq(args) -> int:
 
     opts = AWQOptions(bits=args.bits, group_size=args.group_size, duo_scaling=args.duo_scaling,
                       clip=args.clip, rtn=args.rtn, max_shard_size=args.max_shard_size)
+    return common.produce(args, opts, common.source(args, args.model), args.output)
+
+
+def _gptq(args) -> int:
+    from quantpress.targets import GPTQOptions
+
+    opts = GPTQOptions(bits=args.bits, group_size=args.group_size, sym=args.sym,
+                       act_order=args.act_order, damp=args.damp, rtn=args.rtn,
+                       max_shard_size=args.max_shard_size)
+    return common.produce(args, opts, common.source(args, args.model), args.output)
+
+
+def _fp8(args) -> int:
+    from quantpress.targets import FP8Options
+
+    opts = FP8Options(scheme=args.scheme, ignore=tuple(args.ignore), max_shard_size=args.max_shard_size)
     return common.produce(args, opts, common.source(args, args.model), args.output)
 
 

@@ -24,14 +24,11 @@ from pathlib import Path
 import torch
 
 from quantpress.convert.quant_weights import QuantizedWeights
-from quantpress.convert.shards import DirLayout, ModelDirWriter
+from quantpress.convert.shards import DirLayout, ModelDirWriter, copied_source_file
 from quantpress.errors import InputError
 
 #: AutoAWQ's unpack order (inverse of the pack order [0, 2, 4, 6, 1, 3, 5, 7])
 REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-#: file names never copied from the source directory (weights, their index, the config)
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-_NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
 def parse_size(text: str) -> int:
@@ -89,16 +86,11 @@ def dequantize_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
 # --------------------------------------------------------------------------------------------
 # Writer
 
-def _copied(f: Path) -> bool:
-    return (f.name not in _NOT_COPIED and not f.name.endswith(_NOT_COPIED_SUFFIXES)
-            and not f.name.startswith("."))
-
-
 #: ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``,
 #: safetensors metadata {"format": "pt"} (as transformers' ``save_pretrained``), config.json with
 #: indent 2, the tokenizer and other non-weight files copied (not dotfiles, weights, indexes)
 AWQ_LAYOUT = DirLayout("model", {"format": "pt"}, index=True, config_indent=2, config_newline=True,
-                       copied=_copied, keep_file_metadata=True)
+                       copied=copied_source_file, keep_file_metadata=True)
 
 
 def dir_writer(tmp_dir: Path, max_shard_bytes: int = 5 * 10 ** 9, resume: bool = False) -> ModelDirWriter:
@@ -197,8 +189,4 @@ def streaming_model(path: str | Path, device="cpu", dtype: torch.dtype | None = 
     """A :class:`calibration.engine.StreamingModel` over an AWQ directory: transformers'
     decoder layers built from its config.json (without the quantization block), weights
     dequantized layer by layer from the directory."""
-    from quantpress.calibration.engine import StreamingModel
-
-    w = AWQWeights(path)
-    cfg = {k: v for k, v in w.config.items() if k != "quantization_config"}
-    return StreamingModel.over_weights(cfg, w, w.path, device, dtype, attn_implementation)
+    return AWQWeights(path).streaming_model(device, dtype, attn_implementation)

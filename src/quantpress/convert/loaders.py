@@ -9,6 +9,8 @@ kind         what
              dequantized tensor by tensor into the transformers layers (:mod:`.gguf_load`)
 ``awq``      AutoAWQ GEMM directory, dequantized by the reference procedure (:mod:`.awq_dir`)
 ``exl2``     EXL2 directory, reconstructed in pure torch (:mod:`.exl2_dir`)
+``gptq``     GPTQ checkpoint directory, dequantized by the reference procedure (:mod:`.gptq_dir`)
+``fp8``      compressed-tensors FP8 directory, dequantized by the reference procedure (:mod:`.fp8_dir`)
 ===========  =============================================================================
 
 Each loader opens a :class:`quantpress.calibration.engine.StreamingModel` (one decoder layer in
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from quantpress.calibration import engine
-from quantpress.convert import awq_dir, exl2_dir, gguf_arch, gguf_load
+from quantpress.convert import awq_dir, exl2_dir, fp8_dir, gguf_arch, gguf_load, gptq_dir
 from quantpress.errors import InputError
 
 
@@ -192,6 +194,10 @@ register_loader(Loader("gguf", gguf_load.is_gguf, _gguf_open, _gguf_tokenizer,
 # --------------------------------------------------------------------------------------------
 # Quantized HF directories
 
+def _config_json(p: Path) -> dict:
+    return json.loads((Path(p) / "config.json").read_text(encoding="utf-8"))
+
+
 def _without_quantization(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k != "quantization_config"}
 
@@ -204,3 +210,11 @@ register_loader(Loader("exl2", exl2_dir.is_exl2_dir,
                        lambda p, device, dtype, config=None: exl2_dir.streaming_model(p, device=device, dtype=dtype),
                        hf_tokenizer, hf_add_bos,
                        lambda p: _without_quantization(exl2_dir.read_exl2_config(p)), _hf_gguf_arch))
+register_loader(Loader("gptq", gptq_dir.is_gptq_dir,
+                       lambda p, device, dtype, config=None: gptq_dir.streaming_model(p, device=device, dtype=dtype),
+                       hf_tokenizer, hf_add_bos,
+                       lambda p: _without_quantization(_config_json(p)), _hf_gguf_arch))
+register_loader(Loader("fp8", fp8_dir.is_fp8_dir,
+                       lambda p, device, dtype, config=None: fp8_dir.streaming_model(p, device=device, dtype=dtype),
+                       hf_tokenizer, hf_add_bos,
+                       lambda p: _without_quantization(_config_json(p)), _hf_gguf_arch))

@@ -57,3 +57,14 @@ class QuantizedWeights(abc.ABC):
         t = self.dequantized(name[: -len(".weight")], device) if self.is_quantized(name) \
             else self.raw.get(name, device)
         return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+    def streaming_model(self, device="cpu", dtype: torch.dtype | None = None,
+                        attn_implementation: str = "sdpa", config: dict | None = None):
+        """A :class:`calibration.engine.StreamingModel` over these weights: transformers'
+        decoder layers built from ``config`` (default: the directory's config.json without its
+        quantization block, ``self.config``), quantized linears dequantized layer by layer."""
+        from quantpress.calibration.engine import StreamingModel
+
+        cfg = config if config is not None else \
+            {k: v for k, v in self.config.items() if k != "quantization_config"}
+        return StreamingModel.over_weights(cfg, self, self.path, device, dtype, attn_implementation)

@@ -36,9 +36,10 @@ from quantpress.errors import InputError
 #: safetensors dtype names of the torch dtypes we write
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
+               torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL",
+               torch.float8_e4m3fn: "F8_E4M3"}
 _SIZES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1,
-          "U8": 1, "BOOL": 1}
+          "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 COPY_PIECE = 16 * 2 ** 20  # bytes copied at a time when assembling shards
 
 
@@ -62,11 +63,12 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU tensor (numpy has no bfloat16: viewed as int16)."""
+    """Zero-copy bytes of a contiguous CPU tensor (numpy has no bfloat16 or float8: viewed as
+    int16 / uint8)."""
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    if t.dtype == torch.bool:
+    if t.dtype in (torch.bool, torch.float8_e4m3fn):
         t = t.view(torch.uint8)
     return memoryview(t.numpy()).cast("B")
 
@@ -254,6 +256,21 @@ class ShardSet:
         self._parts.clear()
         self._part_sizes.clear()
         return weight_map
+
+
+#: files of a source directory never copied into a written model directory: weights, their
+#: indexes, the config (written anew) and quantization configs
+NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+NOT_COPIED = frozenset({"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+                        "quantize_config.json", "quant_config.json"})
+
+
+def copied_source_file(f: Path) -> bool:
+    """Whether a regular file of the source directory goes into a quantized model directory
+    (:attr:`DirLayout.copied` of the AWQ, GPTQ and FP8 layouts): the tokenizer, generation
+    config, chat template, license and the like; not dotfiles or :data:`NOT_COPIED`."""
+    return (f.name not in NOT_COPIED and not f.name.endswith(NOT_COPIED_SUFFIXES)
+            and not f.name.startswith("."))
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ from quantpress.targets.awq import AWQOptions
 from quantpress.targets.base import (CalibOptions, ComputeOptions, Run, Source, Summary, Target,
                                      calibration_rows, produce)
 from quantpress.targets.exl2 import EXL2MeasurementOptions, EXL2Options
+from quantpress.targets.fp8 import FP8Options
 from quantpress.targets.gguf import GGUFOptions
+from quantpress.targets.gptq import GPTQOptions
 from quantpress.targets.imatrix import ImatrixOptions
 
 __all__ = ["AWQOptions", "CalibOptions", "ComputeOptions", "EXL2MeasurementOptions", "EXL2Options",
-           "GGUFOptions", "ImatrixOptions", "Run", "Source", "Summary", "Target", "calibration_rows",
-           "produce"]
+           "FP8Options", "GGUFOptions", "GPTQOptions", "ImatrixOptions", "Run", "Source", "Summary",
+           "Target", "calibration_rows", "produce"]

@@ -11,6 +11,7 @@ float16 weight bit for bit) → rename into place (by the runner).
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +154,8 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     def write(self, tmp: Path, run: Run) -> None:
         sm, o = self.sm, self.options
         if self.lq is None:
+            if tmp.exists():  # an interrupted run's directory: this pass starts afresh
+                shutil.rmtree(tmp)
             self._start(tmp)
             with run.stage("layers"):
                 if o.rtn:

@@ -268,12 +268,12 @@ def test_eval_bad_input(smollm2_dir, tmp_path, capsys):
         make.evaluate(smollm2_dir, [], text=tmp_path / "nope.txt", progress=False)
     with pytest.raises(InputError, match=r"missing\.gguf: no such file or directory"):
         make.evaluate(smollm2_dir, [tmp_path / "missing.gguf"], text=short, progress=False)
-    gptq = tmp_path / "gptq"
-    gptq.mkdir()
-    (gptq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                  "quantization_config": {"quant_method": "gptq"}}))
-    with pytest.raises(InputError, match=r"a 'gptq'-quantized directory; no loader for it yet"):
-        make.evaluate(smollm2_dir, [gptq], text=short, progress=False)
+    hqq = tmp_path / "hqq"
+    hqq.mkdir()
+    (hqq / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                 "quantization_config": {"quant_method": "hqq"}}))
+    with pytest.raises(InputError, match=r"a 'hqq'-quantized directory; no loader for it yet"):
+        make.evaluate(smollm2_dir, [hqq], text=short, progress=False)
     awq3 = tmp_path / "awq3"
     awq3.mkdir()
     (awq3 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "quantization_config": {

@@ -274,6 +274,40 @@ def test_tiny_directory(scheme, model, shard, tiny_llama_dir, bf16_llama_dir, tm
     assert w.get(linears[0] + ".weight").dtype == dtype
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_lm_head_when_asked_with_tied_embeddings(scheme, smollm2_dir, tmp_path):
+    """``lm_head=True`` on a model with tied embeddings: lm_head is stored as FP8 (what
+    compressed-tensors makes of the embedding matrix; static: its input scale from the final
+    norm's output, as a transformers forward sees it), the embedding stays, the config unties
+    them and ignores nothing; transformers decompresses lm_head to our weights bit for bit."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    src_dir = synth.make_model(tmp_path / "src", "llama", smollm2_dir, num_hidden_layers=1,
+                               tie_word_embeddings=True, seed=4)
+    src = Source(src_dir, calib=CALIB, progress=False)
+    out = tmp_path / "out"
+    s = produce(FP8Options(scheme=scheme, lm_head=True), src, out, progress=False)
+    assert s.target == f"FP8-{scheme}-head" and s.roundtrip.startswith("ok (8 linears")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["quantization_config"]["ignore"] == []
+    emb = load_file(next(src_dir.glob("*.safetensors")))["model.embed_tokens.weight"]
+    assert torch.equal(bits(_tensor(out, "model.embed_tokens.weight")), bits(emb))
+    ct_scale, ct_zp = ct_weight_scale(emb, scheme)
+    want = FloatQuantizationCompressor.compress({"weight": emb, "weight_scale": ct_scale,
+                                                 "weight_zero_point": ct_zp}, preset(scheme))["weight"]
+    assert torch.equal(bits(_tensor(out, "lm_head.weight")), bits(want))
+    if scheme == "static":
+        a = torch.tensor(_capture_amax(src_dir, src.calibration_rows()[0])["lm_head"], dtype=emb.dtype)
+        want_in, _ = calculate_qparams(-a, a, preset("static").input_activations)
+        got = _tensor(out, "lm_head.input_scale")
+        assert torch.allclose(got.float(), want_in.float(), rtol=2 ** -9, atol=0), (got, want_in)
+    m = AutoModelForCausalLM.from_pretrained(out, dtype=emb.dtype, device_map="cpu",
+                                             quantization_config=CompressedTensorsConfig(run_compressed=False))
+    ours = fp8_dir.FP8Weights(out).get("lm_head.weight")
+    assert torch.equal(bits(m.lm_head.weight.detach()), bits(ours))
+    assert not torch.equal(bits(m.model.embed_tokens.weight.detach()), bits(ours))
+
+
 def test_shared_reference_pass_two_static_outputs(tiny_llama_dir, tmp_path):
     """Two static outputs fed by one pass: same input scales; the mlp linears ignored in one."""
     src = Source(tiny_llama_dir, calib=CALIB, progress=False)

@@ -90,6 +90,8 @@ def add_verbs(sub) -> None:
                         "calibrated input_scale; block: one scale per 128x128 weight block")
     f.add_argument("--ignore", nargs="+", default=[], metavar="NAME",
                    help="more linears to keep unquantized besides lm_head: module names or re:REGEX")
+    f.add_argument("--lm-head", action="store_true",
+                   help="quantize lm_head too (tied embeddings: a separate FP8 lm_head, the embedding kept)")
     f.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     common.verb_options(f, _fp8, calib=True)
 
@@ -176,7 +178,8 @@ def _gptq(args) -> int:
 def _fp8(args) -> int:
     from quantpress.targets import FP8Options
 
-    opts = FP8Options(scheme=args.scheme, ignore=tuple(args.ignore), max_shard_size=args.max_shard_size)
+    opts = FP8Options(scheme=args.scheme, ignore=tuple(args.ignore), max_shard_size=args.max_shard_size,
+                      lm_head=args.lm_head)
     return common.produce(args, opts, common.source(args, args.model), args.output)
 
 

@@ -49,11 +49,14 @@ class FP8Options:
     calibration). ``ignore``: more linears to keep in the source precision besides
     ``lm_head`` (module names, or ``re:REGEX`` matched from the start of the name, as
     compressed-tensors matches them; q/k/v and gate/up go together since vLLM fuses them).
-    ``max_shard_size``: safetensors shard size ("5GB", "500MB", "2GiB" or bytes)."""
+    ``max_shard_size``: safetensors shard size ("5GB", "500MB", "2GiB" or bytes).
+    ``lm_head``: quantize lm_head too, with the same scheme (with tied embeddings the output
+    gets its own FP8 ``lm_head`` and ``tie_word_embeddings: false``; the embedding stays)."""
 
     scheme: str = "dynamic"
     ignore: tuple[str, ...] = ()
     max_shard_size: str = "5GB"
+    lm_head: bool = False
 
     def validate(self) -> None:
         """InputError naming the option: an unknown scheme, an ignore entry that is not a
@@ -73,11 +76,13 @@ class FP8Options:
                 except re.error as e:
                     raise InputError(f"--ignore {p!r}: not a regular expression ({e})") from None
         awq_dir.parse_size(self.max_shard_size)
+        if not isinstance(self.lm_head, bool):
+            raise InputError(f"--lm-head {self.lm_head!r}: expected true or false")
 
     @property
     def label(self) -> str:
-        """``FP8-<scheme>``: FP8-dynamic, FP8-static or FP8-block."""
-        return f"FP8-{self.scheme}"
+        """``FP8-<scheme>``: FP8-dynamic, FP8-static or FP8-block (``-head`` with ``lm_head``)."""
+        return f"FP8-{self.scheme}" + ("-head" if self.lm_head else "")
 
 
 @dataclass
@@ -173,7 +178,7 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
 
     reference_stage = "layers"
     resumable = True
-    writer: fp8_dir.FP8DirWriter | None = None
+    writer: fp8_dir.ModelDirWriter | None = None
 
     def prepare(self, run: Run) -> None:
         bound_heap()
@@ -198,8 +203,11 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
                         raise InputError(f"--ignore keeps '{n}' unquantized but not {split}: vLLM fuses "
                                          f"{'/'.join(group)} and needs them quantized alike")
         self.skipped = skipped
+        if o.lm_head and any(fp8_dir.matches(sm.lm_head_name, p) for p in o.ignore):
+            raise InputError(f"--lm-head and --ignore {sm.lm_head_name}: quantize it or keep it, not both")
         #: the config's ignore list: the skipped decoder linears in model order, then the head
-        self.ignore_list = [n for n in names if n in skipped] + [sm.lm_head_name]
+        #: unless it is quantized
+        self.ignore_list = [n for n in names if n in skipped] + ([] if o.lm_head else [sm.lm_head_name])
         self.rows, self.text = None, ""
         if o.scheme == "static":
             with run.stage("tokenize"):
@@ -209,11 +217,31 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
 
     # ---- one layer -------------------------------------------------------------------------
 
+    def _quantize(self, full: str, w: torch.Tensor, amax: dict[str, float] | None, out: dict) -> None:
+        """Quantize linear ``full`` (weight ``w`` [N, K] on the compute device) into ``out``
+        (weight, weight_scale, input_scale for static) and record it."""
+        scheme = self.options.scheme
+        name = full + ".weight"
+        q, scale = fp8.quantize_fp8(w, scheme, name=name)
+        deq = fp8.dequantize_fp8(q, scale, scheme)
+        norm = torch.linalg.vector_norm(w, dtype=torch.float32)
+        rel = float(torch.linalg.vector_norm(deq - w, dtype=torch.float32) / norm) if float(norm) else 0.0
+        rec = FP8Linear(full, tuple(w.shape), True, tensor_digest(deq), str(scale.dtype), rel)
+        out[name] = q.cpu()
+        out[full + ".weight_scale"] = scale.cpu()
+        if scheme == "static":
+            if amax is None or full not in amax:
+                raise InputError(f"{full}: no activations reached its input in the calibration pass")
+            s_in = fp8.input_scale(amax[full], w.dtype)
+            out[full + ".input_scale"] = s_in.cpu()
+            rec.input_scale = float(s_in)
+        self.records.append(rec)
+
     def _layer(self, index: int, amax: dict[str, float] | None = None) -> dict:
         """Every tensor of decoder layer ``index`` as written: its linears quantized (records
         appended), the rest as stored in the checkpoint."""
         t0 = time.perf_counter()
-        sm, scheme = self.sm, self.options.scheme
+        sm = self.sm
         prefix = f"{sm.layer_prefix}{index}."
         skel = sm.layer_skeleton(index)
         lin = set(_linears(skel))
@@ -231,22 +259,7 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
                 out[name] = w
                 self.records.append(FP8Linear(full, tuple(w.shape), False))
                 continue
-            w = sm.weights.get(name, dev)
-            q, scale = fp8.quantize_fp8(w, scheme, name=name)
-            deq = fp8.dequantize_fp8(q, scale, scheme)
-            norm = torch.linalg.vector_norm(w, dtype=torch.float32)
-            rel = float(torch.linalg.vector_norm(deq - w, dtype=torch.float32) / norm) if float(norm) else 0.0
-            rec = FP8Linear(full, tuple(w.shape), True, tensor_digest(deq), str(scale.dtype), rel)
-            out[name] = q.cpu()
-            out[full + ".weight_scale"] = scale.cpu()
-            if scheme == "static":
-                if full not in amax:
-                    raise InputError(f"{full}: no activations reached its input in the calibration pass")
-                s_in = fp8.input_scale(amax[full], w.dtype)
-                out[full + ".input_scale"] = s_in.cpu()
-                rec.input_scale = float(s_in)
-            self.records.append(rec)
-            del w, q, scale, deq
+            self._quantize(full, sm.weights.get(name, dev), amax, out)
         self.timings["quantize"] += time.perf_counter() - t0
         return out
 
@@ -287,6 +300,11 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
         for k in mine:
             del stats[k]
         self.writer.add(self._layer(index, amax))
+        if self.options.lm_head and index == self.sm.num_layers - 1:
+            # lm_head's input: the final norm of the last layer's output
+            # (kept with the timings: a checkpoint saves them with every layer)
+            self.timings["head_amax"] = max(float(self.sm.final_norm(outputs[a:a + 1]).abs().amax())
+                                            for a in range(outputs.shape[0]))
         return None
 
     def reference_consumer(self, tmp: Path, run: Run, resume: bool = False) -> WriterShare:
@@ -315,11 +333,17 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
                     trim_heap()
         with run.stage("write"):
             rest = {sm.norm_name + ".weight": sm.weights.get(sm.norm_name + ".weight", "cpu")}
-            if not sm.tied_embeddings:
-                head = sm.lm_head_name + ".weight"
+            head = sm.lm_head_name + ".weight"
+            config = dict(src.config)
+            if o.lm_head:   # the embedding matrix when tied: the output unties them
+                stored = sm.embed_name + ".weight" if sm.tied_embeddings else head
+                amax = {sm.lm_head_name: self.timings["head_amax"]} if "head_amax" in self.timings else None
+                self._quantize(sm.lm_head_name, sm.weights.get(stored, src.device), amax, rest)
+                config["tie_word_embeddings"] = False
+            elif not sm.tied_embeddings:
                 rest[head] = fp8_dir.source_rows(sm.weights, head)
             self.writer.add(rest)
-            self.writer.finish(fp8_dir.fp8_config(src.config, o.scheme, self.ignore_list), src.path)
+            self.writer.finish(fp8_dir.fp8_config(config, o.scheme, self.ignore_list), src.path)
         self.tensor_bytes = self.writer.total_bytes
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -327,7 +351,7 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
         left out when it is the embedding)."""
         sm = self.sm
         shapes = sm.skeleton_shapes()
-        if sm.tied_embeddings:
+        if sm.tied_embeddings and not self.options.lm_head:
             shapes.pop(sm.lm_head_name + ".weight", None)
         return shapes
 
@@ -343,7 +367,7 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
         strategy = fp8.WEIGHT_STRATEGY[o.scheme]
         lines = [f"linears    {len(q)} of {len(self.records)} to FP8 E4M3 ({o.scheme}: weights per "
                  f"{strategy}, activations {ACTIVATIONS[o.scheme]}), scales {dtype}; kept as they "
-                 f"are: {', '.join(self.ignore_list[:4])}{' ...' if len(self.ignore_list) > 4 else ''}",
+                 f"are: {', '.join(self.ignore_list[:4]) or 'none'}{' ...' if len(self.ignore_list) > 4 else ''}",
                  f"calibration {rows} rows x {seqlen} tokens of {self.text}" if rows else
                  "calibration none (activation scales computed at run time)",
                  f"weights    mean relative RMSE of the FP8 weights {rel:.4f}"]

@@ -66,3 +66,16 @@ def digests(p) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()}
     return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+def logits_both(model, ours_sm, ids):
+    """(theirs, ours): float32 logits of ``ids`` [rows, seq] from a transformers ``model`` and
+    from quantpress's streaming model ``ours_sm`` (dequantized by our reader) of the same
+    output directory."""
+    import torch
+
+    from quantpress.calibration import engine
+
+    with torch.no_grad():
+        theirs = model(ids).logits
+    return theirs, ours_sm.final_logits(engine.run(ours_sm, ids, progress=False))

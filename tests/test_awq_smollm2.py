@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
+import make
 import pytest
 import torch
 
-from quantpress.calibration import engine
 from quantpress.convert import awq_dir
 from quantpress.targets import ComputeOptions
 from quantpress.targets.eval import EvalOptions, evaluate
@@ -50,10 +50,7 @@ def test_transformers_gptqmodel_loads_and_agrees(smollm2_awq):
     qlin = model.model.layers[0].self_attn.q_proj
     assert "Awq" in type(qlin).__name__, type(qlin)
     ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = model(ids).logits
-    sm = awq_dir.streaming_model(a.output, dtype=torch.float32)
-    ours = sm.final_logits(engine.run(sm, ids, progress=False))
+    theirs, ours = make.logits_both(model, awq_dir.streaming_model(a.output, dtype=torch.float32), ids)
     diff = float((theirs - ours).abs().max())
     assert diff < 1e-3, diff
     assert float(ours.abs().max()) > 1.0  # real logits, not zeros

@@ -326,23 +326,28 @@ def _batch_process(job: Path, out: Path, kill: str | None = None):
                           env=env, capture_output=True, text=True, timeout=900)
 
 
+def _one_model_job(path: Path, source: Path, outputs: str, samples: int = 2) -> Path:
+    """A job file at ``path``: model ``m`` from ``source`` (CPU, ``samples`` x 32 calibration
+    tokens) with the TOML lines ``outputs``."""
+    path.write_text(f"""
+[defaults]
+device = "cpu"
+calib = {{ samples = {samples}, seqlen = 32 }}
+[[model]]
+source = "{source}"
+name = "m"
+{outputs}
+""")
+    return path
+
+
 def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
     """SIGKILL after layer 1 of the shared reference pass, then after layer 0 of the EXL2
     quantization pass: each re-run goes on from the saved layer (it says so, and the manifest
     records it), keeps the outputs already finished, and the outputs equal those of a run
     never interrupted, byte for byte."""
-    job = tmp_path / "j.toml"
-    job.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = 2, seqlen = 32 }}
-[[model]]
-source = "{three_layer_dir}"
-name = "m"
-imatrix = true
-awq = [{{ group_size = 64 }}]
-exl2 = [{{ bpw = 4.0 }}]
-""")
+    job = _one_model_job(tmp_path / "j.toml", three_layer_dir,
+                         'imatrix = true\nawq = [{ group_size = 64 }]\nexl2 = [{ bpw = 4.0 }]')
     whole = tmp_path / "whole"
     assert quantize_main(["batch", str(job), "-o", str(whole), "--quiet"]) == 0
     out = tmp_path / "out"
@@ -378,16 +383,7 @@ exl2 = [{{ bpw = 4.0 }}]
 def test_killed_gptq_pass_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
     """SIGKILL after layer 1 of a GPTQ pass: the re-run goes on from layer 2 and the output
     equals the single verb's byte for byte."""
-    job = tmp_path / "j.toml"
-    job.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = 2, seqlen = 32 }}
-[[model]]
-source = "{three_layer_dir}"
-name = "m"
-gptq = [{{ group_size = 64 }}]
-""")
+    job = _one_model_job(tmp_path / "j.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
     out = tmp_path / "out"
     p = _batch_process(job, out, "m-GPTQ-w4g64:1")
     assert p.returncode == -9, p.stderr[-2000:]
@@ -405,17 +401,7 @@ def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):
     """A pass killed under one job, re-run after the job changed: the saved layers are not
     used (message), and the output equals a fresh run's."""
     def job(samples: int) -> Path:
-        j = tmp_path / f"j{samples}.toml"
-        j.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = {samples}, seqlen = 32 }}
-[[model]]
-source = "{three_layer_dir}"
-name = "m"
-imatrix = true
-""")
-        return j
+        return _one_model_job(tmp_path / f"j{samples}.toml", three_layer_dir, "imatrix = true", samples)
 
     out, fresh = tmp_path / "out", tmp_path / "fresh"
     p = _batch_process(job(2), out, "reference:0")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import make
 import pytest
 import torch
 
@@ -129,16 +130,14 @@ def test_linears_that_do_not_fit_stay_fp16_and_load(smollm2_dir, tmp_path):
     assert list(q["dynamic"]) == [r"-:^model\.layers\.0\.mlp\.down_proj$"]
     model = AutoModelForCausalLM.from_pretrained(s.output, dtype=torch.float32, device_map="cpu")
     ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = model(ids).logits
-    sm = gptq_dir.streaming_model(s.output, dtype=torch.float32)
-    ours = sm.final_logits(engine.run(sm, ids, progress=False))
+    theirs, ours = make.logits_both(model, gptq_dir.streaming_model(s.output, dtype=torch.float32), ids)
     assert float((theirs - ours).abs().max()) < 1e-3
 
 
 def test_bad_input_exit_2(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "o"
     for args, needle in ((["--group-size", "20"], "--group-size 20"),
+                         (["--group-size", "48"], "the sizes gptqmodel's kernels load"),
                          (["--bits", "3"], "--bits 3"),
                          (["--damp", "0"], "--damp 0"),
                          (["--group-size", "512"], "divides no linear")):
@@ -203,10 +202,7 @@ def test_transformers_gptqmodel_loads_and_agrees(smollm2_gptq, tag):
     qlin = model.model.layers[0].self_attn.q_proj
     assert isinstance(qlin, BaseQuantLinear), type(qlin)
     ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = model(ids).logits
-    sm = gptq_dir.streaming_model(s.output, dtype=torch.float32)
-    ours = sm.final_logits(engine.run(sm, ids, progress=False))
+    theirs, ours = make.logits_both(model, gptq_dir.streaming_model(s.output, dtype=torch.float32), ids)
     diff = float((theirs - ours).abs().max())
     assert diff < 1e-3, diff
     assert float(ours.abs().max()) > 1.0

@@ -20,7 +20,8 @@ from quantpress.quantize.gptq_linear import block_rows, find_params, gptq_quanti
 
 #: least share of codes equal to the reference's and largest relative difference of the output
 #: error (float32 blocked against float64 unblocked: codes differ only where W/s lies within
-#: ~1e-6 of a rounding boundary). Measured here: see test_against_textbook_gptq's message.
+#: ~1e-6 of a rounding boundary). Measured on CASES: ≥ 99.9% equal codes, error ratio ≤ 1.00006;
+#: the reference without error feedback: 66-88% equal codes, error ratio 0.28-0.72.
 MIN_CODE_AGREEMENT = 0.99
 MAX_ERROR_RATIO = 1.01
 

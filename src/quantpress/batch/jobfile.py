@@ -84,7 +84,7 @@ class ModelJob:
 # Typed tables → options dataclasses
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
-          "tuple[str, ...]": (tuple,)}
+          "tuple[str, ...]": (list, tuple)}
 
 
 def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
@@ -106,7 +106,8 @@ def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
 def build_options(options_type: type, table: Any, where: str, exclude: tuple[str, ...] = ()) -> Any:
     """``options_type`` (a dataclass) from a TOML table: unknown keys refused (listing the
     known ones), values type-checked against the fields' annotations, required fields
-    demanded, then ``validate()``; every InputError is prefixed with ``where``."""
+    demanded (a TOML array becomes the tuple a ``tuple[...]`` field holds), then ``validate()``;
+    every InputError is prefixed with ``where``."""
     if not isinstance(table, dict):
         raise InputError(f"{where}: expected a table {{ key = value, ... }}, got {table!r}")
     known = [f for f in fields(options_type) if f.name not in exclude]
@@ -114,9 +115,12 @@ def build_options(options_type: type, table: Any, where: str, exclude: tuple[str
     unknown = sorted(set(table) - set(names))
     if unknown:
         raise InputError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(names)}")
+    table = dict(table)
     for f in known:
         if f.name in table:
             _check_type(where, f.name, table[f.name], f.type)
+            if str(f.type).startswith("tuple[") and isinstance(table[f.name], list):
+                table[f.name] = tuple(table[f.name])
         elif f.default is MISSING and f.default_factory is MISSING:
             raise InputError(f"{where}: missing key {f.name!r}")
     opts = options_type(**table)
@@ -215,8 +219,6 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
         label = o.label + ("-rtn" if o.rtn else "")
         out.append(OutputJob("gptq", label, f"{name}-GPTQ-{label}", o))
     for i, t in enumerate(_list_of(where, "fp8", e.get("fp8", []), dict, "tables")):
-        if isinstance(t.get("ignore"), list):
-            t = {**t, "ignore": tuple(t["ignore"])}
         o = build_options(FP8Options, t, f"{where}: fp8[{i}]")
         out.append(OutputJob("fp8", o.scheme, f"{name}-{o.label}", o))
     exl2 = _list_of(where, "exl2", e.get("exl2", []), dict, "tables")
@@ -330,12 +332,8 @@ def estimate(job: ModelJob) -> dict:
                 sizes[o.path] = sum(math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names)
             except Exception:  # an estimate only: fall back to F16 size
                 sizes[o.path] = 2 * total
-        elif o.kind == "awq":
-            g = o.options.group_size
-            sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
-            calibrated |= not o.options.rtn
-        elif o.kind == "gptq":
-            g = o.options.group_size if o.options.group_size > 0 else 1 << 30
+        elif o.kind in ("awq", "gptq"):   # packed codes + a scale and zero point per group
+            g = o.options.group_size if o.options.group_size > 0 else 1 << 30  # -1: per column
             sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
             calibrated |= not o.options.rtn
         elif o.kind == "fp8":

@@ -85,7 +85,6 @@ class LayerQuantizer:
     after_step: Callable[[], None] | None = None
     timings: Timings = field(default_factory=Timings)
     _col: StatsCollector | None = None
-    _cap: object = None
 
     def hooks(self, index: int, layer: nn.Module):
         """Hessian capture on every linear of layer ``index`` (none for ``rtn``). A weight
@@ -96,15 +95,27 @@ class LayerQuantizer:
         if self.settings.rtn:
             return None
         self._col = StatsCollector(kinds={"hessian"}, prefix=self.prefix, offload=False)
-        self._cap = self._col(index, layer)
-        return self._cap
+        return self._col(index, layer)
 
     @torch.no_grad()
     def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
                  ctx) -> torch.Tensor:
-        """Quantize layer ``index`` and return its quantized outputs (the next layer's inputs)."""
-        st, lp = self.settings, f"{self.prefix}{index}."
+        """Quantize layer ``index`` (:meth:`quantize_layer`, with the Hessians :meth:`hooks`
+        captured) and return its quantized outputs (the next layer's inputs)."""
         col, self._col = self._col, None
+        self.quantize_layer(index, layer, col)
+        t0 = time.perf_counter()
+        y = ctx.forward(layer, inputs, what=f"quantized decoder layer {index}")
+        self.timings.forward += time.perf_counter() - t0
+        return y
+
+    @torch.no_grad()
+    def quantize_layer(self, index: int, layer: nn.Module, col: StatsCollector | None = None) -> None:
+        """GPTQ every linear of decoder layer ``index`` that fits (Hessians from ``col``; None
+        with ``rtn``), replace its weight by the fake-quantized one and hand the layer to the
+        sink. InputError naming the tensor for a weight outside float16 or NaN/Inf, or a
+        Hessian that cannot be factored."""
+        st, lp = self.settings, f"{self.prefix}{index}."
         kept: dict[str, torch.Tensor] = {}
         quantized: dict[str, tuple[GPTQLinearResult, torch.Tensor | None]] = {}
         records: list[LinearResult] = []
@@ -152,11 +163,7 @@ class LayerQuantizer:
             if self.after_step is not None:
                 self.after_step()
         self.timings.gptq += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        y = ctx.forward(layer, inputs, what=f"quantized decoder layer {index}")
-        self.timings.forward += time.perf_counter() - t0
         self.sink(index, kept, quantized, records)
-        return y
 
 
 def _to_cpu(r: GPTQLinearResult) -> GPTQLinearResult:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from quantpress.convert.quant_weights import QuantizedWeights
+from quantpress.convert.quant_weights import QuantizedWeights, quantized_as
 from quantpress.convert.shards import DirLayout, ModelDirWriter, copied_source_file
 from quantpress.errors import InputError
 
@@ -121,13 +121,7 @@ def awq_config(source_config: dict, bits: int, group_size: int,
 
 def is_awq_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory whose config.json says ``quant_method: awq``."""
-    p = Path(path)
-    try:
-        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "awq"
+    return quantized_as(path, "awq")
 
 
 def read_awq_config(path: str | Path) -> tuple[dict, int, int]:

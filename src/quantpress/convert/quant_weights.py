@@ -5,10 +5,24 @@ demand by the subclass's :meth:`QuantizedWeights.dequantized`. This is the weigh
 from __future__ import annotations
 
 import abc
+import json
+from pathlib import Path
 
 import torch
 
 from quantpress.errors import InputError
+
+
+def quantized_as(path: str | Path, method: str) -> bool:
+    """Whether ``path`` is a directory whose config.json has a ``quantization_config`` with
+    ``quant_method`` ``method`` (case-insensitive); False when config.json is missing or not
+    JSON (the loader registry's ``detect``)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == method
 
 
 class QuantizedWeights(abc.ABC):

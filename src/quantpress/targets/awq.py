@@ -68,25 +68,11 @@ def verify_awq_dir(path: Path, results: list[cawq.LinearResult], group_size: int
     if w.group_size != group_size:
         raise RoundTripError(f"round trip: {path}/config.json says group_size {w.group_size}, "
                              f"expected {group_size}")
-    n = 0
-    for r in results:
-        if not r.quantized:
-            if r.name + ".weight" not in w or w.is_quantized(r.name + ".weight"):
-                raise RoundTripError(f"round trip: '{r.name}.weight' (kept FP16) is missing from {path}")
-            continue
-        if not w.is_quantized(r.name + ".weight"):
-            raise RoundTripError(f"round trip: '{r.name}' has no qweight in {path}")
-        sc = w.raw.get(r.name + ".scales")
-        if bool((sc == 0).any()):
+    def zero_scales(r):
+        if bool((w.raw.get(r.name + ".scales") == 0).any()):
             raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
-        deq = w.dequantized(r.name)
-        if tuple(deq.shape) != tuple(r.shape):
-            raise RoundTripError(f"round trip: '{r.name}' dequantizes to {tuple(deq.shape)}, "
-                                 f"expected {tuple(r.shape)}")
-        if cawq.tensor_digest(deq) != r.digest:
-            raise RoundTripError(f"round trip failed: '{r.name}' dequantized from {path} differs "
-                                 f"from the quantizer's fake-quantized weights")
-        n += 1
+
+    n = hfdir.verify_linears(path, w, results, zero_scales)
     w.raw.close()
     return f"ok ({n} linears bit-identical to the fake-quantized weights)"
 

@@ -20,12 +20,17 @@ from torch import nn
 
 from quantpress.calibration import engine
 from quantpress.calibration import gptq as cgptq
-from quantpress.calibration.awq import LinearResult, tensor_digest
+from quantpress.calibration.awq import LinearResult
 from quantpress.convert import awq_dir, gptq_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Summary, Target, WriterShare, options_json
+
+
+#: group sizes a GPTQ checkpoint may have here: those gptqmodel 7.7's kernels load
+#: (``nn_modules/qlinear/torch.py`` ``SUPPORTS_GROUP_SIZE``)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -46,15 +51,16 @@ class GPTQOptions:
     max_shard_size: str = "5GB"
 
     def validate(self) -> None:
-        """InputError naming the option: bits other than 4/8, a group size not in {−1} ∪ the
-        positive multiples of 32/bits, a damping outside (0, 1), a shard size that is no size."""
+        """InputError naming the option: bits other than 4/8, a group size not in
+        :data:`GROUP_SIZES`, a damping outside (0, 1), a shard size that is no size."""
         if isinstance(self.bits, bool) or self.bits not in (4, 8):
             raise InputError(f"--bits {self.bits}: GPTQ checkpoints here are 4 or 8 bits "
                              f"(the widths gptqmodel's and vLLM's kernels load)")
         g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or (g > 0 and g % (32 // self.bits) == 0)):
-            raise InputError(f"--group-size {g}: expected -1 (one group per output column) or a "
-                             f"positive multiple of {32 // self.bits}, e.g. 32, 64, 128")
+        if isinstance(g, bool) or g not in GROUP_SIZES:
+            raise InputError(f"--group-size {g}: expected one of {', '.join(map(str, GROUP_SIZES))} "
+                             f"(-1: one group per output column; the sizes gptqmodel's kernels "
+                             f"load; vLLM's Marlin takes -1, 32, 64 and 128)")
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 < self.damp < 1:
             raise InputError(f"--damp {self.damp}: expected a fraction of the mean Hessian "
                              f"diagonal in (0, 1), e.g. 0.01")
@@ -87,25 +93,13 @@ def verify_gptq_dir(path: Path, records: list[LinearResult], bits: int, group_si
         if q.get(k) != v:
             raise RoundTripError(f"round trip: {path}/config.json says {k} {q.get(k)!r}, expected {v!r}")
     w = gptq_dir.GPTQWeights(path)
-    n = 0
+
+    def zero_scales(r):
+        if bool((w.raw.get(r.name + ".scales") == 0).any()):
+            raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
+
     try:
-        for r in records:
-            if not r.quantized:
-                if r.name + ".weight" not in w or w.is_quantized(r.name + ".weight"):
-                    raise RoundTripError(f"round trip: '{r.name}.weight' (kept FP16) is missing from {path}")
-                continue
-            if not w.is_quantized(r.name + ".weight"):
-                raise RoundTripError(f"round trip: '{r.name}' has no qweight in {path}")
-            if bool((w.raw.get(r.name + ".scales") == 0).any()):
-                raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
-            deq = w.dequantized(r.name)
-            if tuple(deq.shape) != tuple(r.shape):
-                raise RoundTripError(f"round trip: '{r.name}' dequantizes to {tuple(deq.shape)}, "
-                                     f"expected {tuple(r.shape)}")
-            if tensor_digest(deq) != r.digest:
-                raise RoundTripError(f"round trip failed: '{r.name}' dequantized from {path} differs "
-                                     f"from the quantizer's fake-quantized weights")
-            n += 1
+        n = hfdir.verify_linears(path, w, records, zero_scales)
     finally:
         w.close()
     return f"ok ({n} linears bit-identical to the fake-quantized weights)"
@@ -166,7 +160,7 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
         with run.stage("layers"):
             if o.rtn:
                 for i in run.bar(range(sm.num_layers), "layers", "layer"):
-                    lq.on_layer(i, sm.load_layer(i), None, None, _NoForward())
+                    lq.quantize_layer(i, sm.load_layer(i))
                     trim_heap()
             else:
                 rows = self.rows
@@ -218,9 +212,3 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)
 
-
-class _NoForward:
-    """``ctx`` for round-to-nearest without calibration: nothing to run the layer on."""
-
-    def forward(self, *args, **kwargs):
-        return None

@@ -9,6 +9,8 @@ whether the two outputs carry identical tensors.
   python scripts/bench_gguf.py                       # SmolLM2-135M
   python scripts/bench_gguf.py --model synth4x       # synthetic llama ~4x SmolLM2's size
   python scripts/bench_gguf.py --device cuda         # our quantization on the GPU
+  python scripts/bench_gguf.py --imatrix FILE        # both with importance weights (llama.cpp:
+                                                     # the llama-quantize tool, --imatrix FILE)
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def main() -> int:
     ap.add_argument("--policy", default="Q4_K_M")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--imatrix", help="an imatrix file for both quantizers (quantize imatrix's or llama-imatrix's)")
     args = ap.parse_args()
     model = {"smollm2": assets.smollm2_dir, "synth4x": synth4x}.get(args.model, lambda: Path(args.model))()
     src = llamacpp_tools.llamacpp_src()
@@ -80,13 +83,18 @@ def main() -> int:
         quant_code = ("import ctypes,sys,llama_cpp as l;p=l.llama_model_quantize_default_params();"
                       f"p.ftype=l.LLAMA_FTYPE_MOSTLY_{args.policy};p.nthread={nthread};"
                       "sys.exit(l.llama_model_quantize(sys.argv[1].encode(),sys.argv[2].encode(),ctypes.byref(p)))")
-        quant = measure([PY, "-c", quant_code, str(ref_f16), str(ref_q)])
+        im = ["--imatrix", str(Path(args.imatrix).resolve())] if args.imatrix else []
+        if im:
+            quant = measure([str(llamacpp_tools.tool("llama-quantize")), *im, str(ref_f16), str(ref_q),
+                             args.policy, str(nthread)])
+        else:
+            quant = measure([PY, "-c", quant_code, str(ref_f16), str(ref_q)])
         report = d / "report.json"
         mine = measure([str(REPO / ".venv/bin/convert"), "hf-to-gguf", str(model), "--policy", args.policy,
-                        "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report)])
+                        "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages = json.loads(report.read_text())["stages"]
         mine_q = measure([str(REPO / ".venv/bin/quantize"), "gguf", str(ref_f16), "--policy", args.policy,
-                          "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report)])
+                          "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages_q = json.loads(report.read_text())["stages"]
         from refs import tensors_of
         identical = tensors_of(ours) == tensors_of(ref_q) and tensors_of(ours_q) == tensors_of(ref_q)
@@ -94,6 +102,7 @@ def main() -> int:
     ref_total = conv[0] + quant[0]
     fig = {
         "model": str(model), "policy": args.policy, "device": args.device, "nthread_llamacpp": nthread,
+        "imatrix": args.imatrix,
         "llamacpp_convert_s": conv[0], "llamacpp_quantize_s": quant[0], "llamacpp_total_s": ref_total,
         "llamacpp_peak_rss_mib": max(conv[1], quant[1]), "llamacpp_convert_rss_mib": conv[1],
         "llamacpp_quantize_rss_mib": quant[1],

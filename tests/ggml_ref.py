@@ -3,7 +3,8 @@
 the codec tests.
 
 * :func:`ref_quantize` calls ``ggml_quantize_chunk(type, src, dst, 0, nrows, n_per_row,
-  NULL)`` (no imatrix: the ``quantize_row_<type>_ref`` path for the types tested here).
+  imatrix)`` (imatrix NULL: the ``quantize_row_<type>_ref`` path of the legacy and K types;
+  float32 [n_per_row]: the importance-weighted ``quantize_row_<type>_impl`` path).
 * :func:`ref_dequantize` calls ``ggml_get_type_traits(type)->to_float``
   (``dequantize_row_<type>``).
 * :func:`available` tells whether the library can be loaded (the test stack installs it).
@@ -75,8 +76,9 @@ def _type(type_name: str) -> tuple[int, int, int]:
     return int(t), block, size
 
 
-def ref_quantize(x: np.ndarray, type_name: str, timing: dict | None = None) -> np.ndarray:
-    """llama.cpp ``ggml_quantize_chunk`` without imatrix.
+def ref_quantize(x: np.ndarray, type_name: str, timing: dict | None = None,
+                 imatrix: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp ``ggml_quantize_chunk``, with ``imatrix`` (float32 [n]) or without (None).
 
     ``x``: float32 [rows, n] (n a multiple of the block size). Returns uint8
     [rows, n // block * type_size]. If ``timing`` is a dict, the seconds spent in the C call
@@ -88,8 +90,13 @@ def ref_quantize(x: np.ndarray, type_name: str, timing: dict | None = None) -> n
     assert n % block == 0, (n, block)
     out = np.zeros((rows, n // block * size), dtype=np.uint8)
     lib = _lib()
+    qw = None
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        assert imatrix.shape == (n,), (imatrix.shape, n)
+        qw = imatrix.ctypes.data
     t0 = time.perf_counter()
-    written = lib.ggml_quantize_chunk(tid, x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    written = lib.ggml_quantize_chunk(tid, x.ctypes.data, out.ctypes.data, 0, rows, n, qw)
     if timing is not None:
         timing["seconds"] = time.perf_counter() - t0
     assert written == out.nbytes, (written, out.nbytes)
@@ -112,3 +119,30 @@ def ref_dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
     fn = _TO_FLOAT(traits.to_float)
     fn(raw.ctypes.data, out.ctypes.data, rows * n)
     return out
+
+
+def fuzz_rows(seed: int, count: int) -> np.ndarray:
+    """``count`` rows of 256 mixing distributions, sparsity, grids and magnitudes from 1e-40 to 1e37."""
+    r = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        kind = r.integers(0, 8)
+        scale = 10.0 ** r.uniform(-40, 37)
+        if kind == 0:
+            v = r.normal(0, 1, 256)
+        elif kind == 1:
+            v = r.standard_t(2, 256)
+        elif kind == 2:
+            v = r.integers(-4, 5, 256).astype(float)
+        elif kind == 3:
+            v = np.abs(r.normal(0, 1, 256)) * r.choice([-1, 1])
+        elif kind == 4:
+            v = np.where(r.random(256) < r.random(), r.normal(0, 1, 256), 0.0)
+        elif kind == 5:
+            v = r.normal(0, 1, 256) * 10.0 ** r.uniform(-6, 6, 256)
+        elif kind == 6:
+            v = np.repeat(r.normal(0, 1, 16), 16) + r.normal(0, 1e-3, 256) * (r.random() < 0.5)
+        else:
+            v = r.uniform(-1, 1, 256).round(r.integers(0, 4))
+        rows.append(np.clip(v * scale, -3e38, 3e38))
+    return np.stack(rows).astype(np.float32)

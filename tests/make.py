@@ -20,9 +20,9 @@ def _make(options, src, out, force: bool, **kw) -> Summary:
     return produce(options, s, Path(out), force=force, progress=False)
 
 
-def gguf(src, out, policy: str = "F16", force: bool = False, **kw) -> Summary:
-    """``convert hf-to-gguf`` / ``quantize gguf``."""
-    return _make(GGUFOptions(policy), src, out, force, **kw)
+def gguf(src, out, policy: str = "F16", force: bool = False, imatrix=None, **kw) -> Summary:
+    """``convert hf-to-gguf`` / ``quantize gguf`` (``imatrix``: ``--imatrix FILE``)."""
+    return _make(GGUFOptions(policy, imatrix=None if imatrix is None else str(imatrix)), src, out, force, **kw)
 
 
 def awq(src, out, force: bool = False, samples: int = 4, seqlen: int = 64, device: str = "cpu",

@@ -85,39 +85,12 @@ def _edge_rows() -> np.ndarray:
     return np.stack(rows).astype(np.float32)
 
 
-def _fuzz_rows(seed: int, count: int = 192) -> np.ndarray:
-    """Rows mixing distributions, sparsity, grids and magnitudes from 1e-40 to 1e37."""
-    r = np.random.default_rng(seed)
-    rows = []
-    for _ in range(count):
-        kind = r.integers(0, 8)
-        scale = 10.0 ** r.uniform(-40, 37)
-        if kind == 0:
-            v = r.normal(0, 1, 256)
-        elif kind == 1:
-            v = r.standard_t(2, 256)
-        elif kind == 2:
-            v = r.integers(-4, 5, 256).astype(float)
-        elif kind == 3:
-            v = np.abs(r.normal(0, 1, 256)) * r.choice([-1, 1])
-        elif kind == 4:
-            v = np.where(r.random(256) < r.random(), r.normal(0, 1, 256), 0.0)
-        elif kind == 5:
-            v = r.normal(0, 1, 256) * 10.0 ** r.uniform(-6, 6, 256)
-        elif kind == 6:
-            v = np.repeat(r.normal(0, 1, 16), 16) + r.normal(0, 1e-3, 256) * (r.random() < 0.5)
-        else:
-            v = r.uniform(-1, 1, 256).round(r.integers(0, 4))
-        rows.append(np.clip(v * scale, -3e38, 3e38))
-    return np.stack(rows).astype(np.float32)
-
-
 INPUTS = {
     "fp16_rows": _fp16_rows,
     "llm_like_rows": _llm_like_rows,
     "random_rows": _random_rows,
     "edge_rows": _edge_rows,
-    "fuzz_rows": lambda: np.concatenate([_fuzz_rows(11), _fuzz_rows(12)]),
+    "fuzz_rows": lambda: np.concatenate([ggml_ref.fuzz_rows(11, 192), ggml_ref.fuzz_rows(12, 192)]),
 }
 
 

@@ -99,9 +99,9 @@ def test_together_is_byte_identical_and_reads_once_per_order(prepared, tmp_path,
     encoded: Counter = Counter()
     real_encode = gguf_file.encode
 
-    def counting_encode(t, type_name, device):
+    def counting_encode(t, type_name, device, imatrix=None):
         encoded[type_name] += 1
-        return real_encode(t, type_name, device)
+        return real_encode(t, type_name, device, imatrix)
     monkeypatch.setattr(gguf_file, "encode", counting_encode)
     run = Run(progress=False)
     tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]

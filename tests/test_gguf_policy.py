@@ -60,8 +60,12 @@ EXTRA_POLICIES = {
     "mixtral": ["Q4_0", "Q2_K", "Q3_K_L", "Q4_K_M", "Q5_K_M"],
 }
 QUANT_CASES = [(m, p) for m in MODELS for p in EXTRA_POLICIES.get(m, QUANT_POLICIES)]
-# with an importance matrix (only Q4_0/Q5_0 ffn_down depend on it)
-IMATRIX_CASES = [("llama", "Q4_0"), ("llama", "Q5_0"), ("mixtral", "Q5_0")]
+# with an importance matrix (Q4_0/Q5_0 ffn_down and IQ4_NL/IQ4_XS ffn_down depend on it)
+IMATRIX_CASES = [("llama", "Q4_0"), ("llama", "Q5_0"), ("mixtral", "Q5_0"), ("llama", "IQ4_XS"),
+                 ("smollm2", "IQ4_NL")]
+# policies llama-quantize refuses without importance weights (tensor_requires_imatrix): their
+# reference runs get an imatrix of ones for every quantizable tensor
+NEEDS_IMATRIX = {"Q2_K_S"}
 # models also converted with --outtype f32 and bf16 (F16 is compared for every model)
 FLOAT_MODELS = ["llama"]
 
@@ -136,17 +140,32 @@ def convert_hf(llamacpp_src: Path, model_dir: Path, out: Path, outtype: str) -> 
     return out
 
 
-def llama_quantize(src: Path, dst: Path, policy: str, imatrix: bool = False) -> None:
+def llama_quantize(src: Path, dst: Path, policy: str, imatrix: bool | GGUFInfo = False) -> None:
     """llama-cpp-python's ``llama_model_quantize`` with default parameters, 2 threads.
-    ``imatrix``: pass an (empty) importance matrix, which only sets has_imatrix."""
+    ``imatrix``: True passes an (empty) importance matrix, which only sets has_imatrix; a
+    :class:`GGUFInfo` passes importance 1 for every quantizable 2-D tensor of that model."""
     import llama_cpp
+    import numpy as np
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{policy}")
     params.nthread = 2
     keep = None
-    if imatrix:
+    if imatrix is True:
         keep = (llama_cpp.llama_model_imatrix_data * 1)()  # only the terminator (name NULL)
+        params.imatrix = ctypes.cast(keep, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    elif imatrix:
+        names = [n for n in imatrix.order if is_quantizable(n, imatrix.shapes[n], imatrix.params.arch)]
+        keep = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()
+        bufs = []
+        for i, n in enumerate(names):
+            shape = imatrix.shapes[n]
+            buf = np.ones(shape[-1] * (shape[0] if len(shape) == 3 else 1), dtype=np.float32)
+            bufs += [n.encode(), buf]
+            keep[i].name = bufs[-2]
+            keep[i].data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            keep[i].size = buf.size
+        keep[len(names)].name = None
         params.imatrix = ctypes.cast(keep, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     assert rc == 0, f"llama_model_quantize({policy}) failed"
@@ -211,6 +230,8 @@ def quantize_and_read(refs: References, model: str, policy: str, tmp_path: Path,
     """Quantize the model's F16 GGUF with llama.cpp, read the output (with each of
     ``readers``; one reader: its result, else a list), and delete it."""
     dst = tmp_path / f"{model}-{policy}.gguf"
+    if policy in NEEDS_IMATRIX:
+        imatrix = refs.info(model)
     llama_quantize(refs.gguf_path(model), dst, policy, imatrix=imatrix)
     try:
         infos = [reader(dst) for reader in readers]
@@ -223,7 +244,8 @@ def quantize_and_read(refs: References, model: str, policy: str, tmp_path: Path,
 def test_quantized_policy_matches_llama_quantize(refs, llama_cpp_mod, tmp_path, model, policy):
     ref = refs.info(model)
     out = quantize_and_read(refs, model, policy, tmp_path)
-    planned = plan_types(policy, ref.tensors, ref.params)
+    params = replace(ref.params, has_imatrix=policy in NEEDS_IMATRIX)
+    planned = plan_types(policy, ref.tensors, params)
     bad = diff_types(planned, out.types)
     assert not bad, f"{len(bad)} of {len(planned)} tensors differ:\n" + "\n".join(bad[:40])
     assert tensor_order(ref.order) == out.order

@@ -142,3 +142,62 @@ def produce(args: argparse.Namespace, options, src, out: str, report: str | None
             json.dump(s.to_json(), f, indent=1)
     print(json.dumps(s.to_json(), indent=1) if getattr(args, "json", False) else s.text())
     return 0
+
+
+def add_gguf_options(p: argparse.ArgumentParser) -> None:
+    """llama-quantize's options of ``convert hf-to-gguf`` and ``quantize gguf``: ``--imatrix``
+    (with ``--include-weights`` / ``--exclude-weights``) and the per-tensor controls
+    (:class:`~quantpress.targets.GGUFOptions`), plus the calibration options that
+    ``--imatrix auto`` uses."""
+    p.add_argument("--imatrix", metavar="FILE|auto",
+                   help="importance matrix for the quantizers: a GGUF imatrix (quantize imatrix, "
+                        "llama-imatrix) or a legacy .dat; 'auto' computes one first with the "
+                        "calibration options below and keeps it as OUTPUT.imatrix.gguf")
+    p.add_argument("--include-weights", action="append", default=[], metavar="NAME",
+                   help="use the imatrix only for tensors whose name contains NAME (repeatable)")
+    p.add_argument("--exclude-weights", action="append", default=[], metavar="NAME",
+                   help="do not use the imatrix for tensors whose name contains NAME (repeatable)")
+    p.add_argument("--output-tensor-type", metavar="TYPE", help="ggml type of output.weight")
+    p.add_argument("--token-embedding-type", metavar="TYPE", help="ggml type of token_embd.weight")
+    p.add_argument("--leave-output-tensor", action="store_true",
+                   help="do not quantize output.weight")
+    p.add_argument("--pure", action="store_true",
+                   help="the policy's default type for every quantized tensor (no k-quant mixtures)")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="ggml type for the tensors whose name matches the regular expression "
+                        "PATTERN (repeatable, first match wins), e.g. attn_v=q8_0")
+
+
+def gguf_options(args: argparse.Namespace):
+    """:class:`~quantpress.targets.GGUFOptions` from the parsed arguments."""
+    from quantpress.targets import GGUFOptions
+
+    return GGUFOptions(policy=args.policy, imatrix=args.imatrix,
+                       include_weights=tuple(args.include_weights),
+                       exclude_weights=tuple(args.exclude_weights),
+                       output_tensor_type=args.output_tensor_type,
+                       token_embedding_type=args.token_embedding_type,
+                       leave_output_tensor=args.leave_output_tensor, pure=args.pure,
+                       tensor_type=tuple(args.tensor_type))
+
+
+def produce_gguf(args: argparse.Namespace, model: str, out: str) -> int:
+    """A GGUF output of ``model`` (HF directory or GGUF file) at ``out``. With ``--imatrix
+    auto`` the importance matrix is made first (``quantize imatrix`` with the calibration
+    options, verified, kept as ``OUT.imatrix.gguf``; its summary goes to stderr) and the GGUF
+    is quantized with it. Returns 0."""
+    import dataclasses
+    from pathlib import Path
+
+    from quantpress.targets import ImatrixOptions, check_output
+    from quantpress.targets import produce as run
+
+    opts = gguf_options(args)
+    if opts.imatrix == "auto":
+        im_out = Path(out).with_name(Path(out).name + ".imatrix.gguf")
+        opts = dataclasses.replace(opts, imatrix=str(im_out))
+        opts.validate()
+        check_output(Path(out), False, args.force)
+        s = run(ImatrixOptions(), source(args, model), im_out, force=args.force, progress=not args.quiet)
+        print(s.text(), file=sys.stderr)
+    return produce(args, opts, source(args, model, False), out, report=getattr(args, "report", None))

@@ -1,6 +1,7 @@
 """``convert``: format conversion verbs.
 
-  convert hf-to-gguf MODEL_DIR --policy Q4_K_M -o model-Q4_K_M.gguf [--force] [--report r.json]
+  convert hf-to-gguf MODEL_DIR --policy Q4_K_M -o model-Q4_K_M.gguf [--imatrix FILE|auto]
+                     [--tensor-type PATTERN=TYPE ...] [--pure] [--force] [--report r.json]
   convert inspect FILE.gguf [--json]
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ def add_verbs(sub) -> None:
     h.add_argument("--report", help="also write the summary with every tensor's round-trip figures "
                                     "(RMSE, max error, SNR) as JSON")
     h.add_argument("--json", action="store_true", help="print the summary as JSON")
-    common.verb_options(h, _hf_to_gguf, dtype=False)
+    common.add_gguf_options(h)
+    common.verb_options(h, _hf_to_gguf, calib=True)
     i = sub.add_parser("inspect", help="metadata and per-tensor table of any GGUF file")
     i.add_argument("file")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -34,13 +36,11 @@ def add_verbs(sub) -> None:
 
 def _hf_to_gguf(args) -> int:
     from quantpress.convert.gguf_load import is_gguf
-    from quantpress.targets import GGUFOptions
 
     if is_gguf(Path(args.model_dir)):
         raise InputError(f"{args.model_dir}: a GGUF file; 'quantize gguf' requantizes GGUF files, "
                          f"hf-to-gguf reads Hugging Face directories")
-    return common.produce(args, GGUFOptions(args.policy), common.source(args, args.model_dir, False),
-                          args.output, report=args.report)
+    return common.produce_gguf(args, args.model_dir, args.output)
 
 
 def _inspect(args) -> int:

@@ -1,6 +1,7 @@
 """``quantize``: quantization verbs.
 
-  quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf   (llama-quantize's job, verified)
+  quantize gguf IN-F16.gguf --policy Q4_K_M -o OUT.gguf [--imatrix FILE|auto] [--pure] ...
+                                                          (llama-quantize's job, verified)
   quantize imatrix MODEL -o imatrix.gguf [--calib FILE] [--samples N --seqlen L]
   quantize awq MODEL -o OUT_DIR [--group-size 128] [--rtn] [--no-clip]
   quantize gptq MODEL -o OUT_DIR [--bits 4] [--group-size 128] [--act-order] [--asym]
@@ -36,7 +37,8 @@ def add_verbs(sub) -> None:
     _out_args(g, help="output .gguf path")
     g.add_argument("--policy", required=True, choices=POLICIES, help="llama.cpp ftype, e.g. Q4_K_M")
     g.add_argument("--report", help="also write the summary with every tensor's round-trip figures as JSON")
-    common.verb_options(g, _gguf, dtype=False)
+    common.add_gguf_options(g)
+    common.verb_options(g, _gguf, calib=True)
 
     m = sub.add_parser("imatrix", help="llama.cpp importance matrix (GGUF imatrix file for "
                                        "llama-quantize --imatrix)")
@@ -143,13 +145,10 @@ def add_verbs(sub) -> None:
 
 
 def _gguf(args) -> int:
-    from quantpress.targets import GGUFOptions
-
     if not Path(args.input).is_file():
         raise InputError(f"{args.input}: no such file (quantize gguf reads a .gguf file; "
                          f"'convert hf-to-gguf' reads Hugging Face directories)")
-    return common.produce(args, GGUFOptions(args.policy), common.source(args, args.input, False),
-                          args.output, report=args.report)
+    return common.produce_gguf(args, args.input, args.output)
 
 
 def _imatrix(args) -> int:

@@ -78,17 +78,32 @@ class RoundTrip:
 KV = tuple  # (key, value, GGUFValueType, sub_type or None)
 
 
-def encode(t: torch.Tensor, type_name: str, device: torch.device) -> np.ndarray:
+def encode(t: torch.Tensor, type_name: str, device: torch.device,
+           imatrix: torch.Tensor | None = None) -> np.ndarray:
     """Quantize ``t`` [..., n] to ``type_name`` on ``device``; returns uint8 numpy
-    [rows, row_bytes] ready to be written (ggml block bytes, little-endian)."""
+    [rows, row_bytes] ready to be written (ggml block bytes, little-endian).
+
+    ``imatrix``: importance weights, float32 [n] for every row, or [n_mat · n] for a 3-D
+    tensor [n_mat, rows, n] (one slice per expert matrix, as ``llama_tensor_quantize_impl``'s
+    ``imatrix_for_row``); passed to :func:`quantpress.quantize.ggml.quantize`. ValueError when
+    its size fits neither."""
     x = t.to(device)
-    raw = ggml.quantize(x.reshape(-1, x.shape[-1]), type_name)
+    n = x.shape[-1]
+    if imatrix is None or imatrix.numel() == n:
+        w = None if imatrix is None else imatrix.reshape(n).to(device)
+        raw = ggml.quantize(x.reshape(-1, n), type_name, imatrix=w)
+    elif x.dim() == 3 and imatrix.numel() == n * x.shape[0]:
+        w = imatrix.reshape(x.shape[0], n).to(device)
+        raw = torch.cat([ggml.quantize(x[e], type_name, imatrix=w[e]) for e in range(x.shape[0])])
+    else:
+        raise ValueError(f"imatrix of {imatrix.numel()} values for a tensor of shape {tuple(x.shape)}")
     return raw.cpu().numpy()
 
 
 #: one output file of :func:`write_gguf_many`: (path, KVs after ``general.architecture`` in
-#: order, GGUF tensor name → ggml type name)
-GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str])
+#: order, GGUF tensor name → ggml type name[, GGUF tensor name → importance weights float32
+#: tensor for the tensors quantized with an imatrix])
+GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor]])
 
 
 def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
@@ -97,16 +112,17 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     """Write several GGUF v3 files that share ``arch`` and one tensor list, reading each
     source tensor once (no rename; callers use temporary paths).
 
-    ``files``: ``(path, kvs, types)`` per output file; ``kvs`` its metadata after
-    ``general.architecture`` (written by GGUFWriter), in order; ``types[name]`` the ggml type
-    name of every tensor in that file. ``tensors`` in output order, the same order in every
+    ``files``: ``(path, kvs, types)`` or ``(path, kvs, types, imatrix)`` per output file;
+    ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order;
+    ``types[name]`` the ggml type name of every tensor in that file; ``imatrix[name]`` the
+    importance weights of a tensor quantized with them (:func:`encode`). ``tensors`` in output order, the same order in every
     file; each ``load()`` returns a float tensor (any float dtype, CPU) of ``shape``.
 
     One gguf-py ``GGUFWriter`` per file writes the header, the KVs and the tensor infos
     (alignment 32, as llama.cpp). Then, tensor by tensor: ``load()`` once; the shape and
     NaN/Inf checks once; the tensor moved to ``device`` once; for each distinct ggml type the
-    files ask for (a norm is F32 in every policy) one :func:`encode` (uint8 [rows, row_bytes])
-    written to every file of that type; then the next tensor. Peak memory is one source
+    files ask for (a norm is F32 in every policy) and importance weights, one :func:`encode`
+    (uint8 [rows, row_bytes]) written to every file of that type; then the next tensor. Peak memory is one source
     tensor and one encoded copy, whatever the number of files. Each file's bytes equal a
     :func:`write_gguf` of it alone, i.e. what ``convert_hf_to_gguf.py`` + ``llama-quantize``
     write (llama.cpp as vendored in llama-cpp-python 0.3.36) when the plan is theirs.
@@ -120,7 +136,8 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         raise ValueError("write_gguf_many: no files to write")
     with contextlib.ExitStack() as closing:
         writers = []
-        for path, kvs, types in files:
+        for path, kvs, types, *rest in files:
+            imatrix = rest[0] if rest else None
             w = GGUFWriter(str(path), arch)
             closing.callback(w.close)  # opens its file in write_header_to_file
             for key, value, vtype, sub in kvs:
@@ -132,8 +149,8 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
                                   math.prod(st.shape[:-1]) * rb,
                                   raw_dtype=GGMLQuantizationType[gt.name])
-            writers.append((w, types))
-        for w, _ in writers:
+            writers.append((w, types, imatrix or {}))
+        for w, _, _ in writers:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
@@ -144,11 +161,13 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             check_finite(st.name, t)
             x = t.to(device)
             del t
-            by_type: dict[str, list[GGUFWriter]] = {}
-            for w, types in writers:
-                by_type.setdefault(types[st.name], []).append(w)
-            for type_name, ws in by_type.items():
-                raw = encode(x, type_name, device).reshape(-1)
+            by_type: dict[tuple, tuple] = {}
+            for w, types, imatrix in writers:
+                qw = imatrix.get(st.name)
+                key = (types[st.name], None if qw is None else id(qw))
+                by_type.setdefault(key, (types[st.name], qw, []))[2].append(w)
+            for type_name, qw, ws in by_type.values():
+                raw = encode(x, type_name, device, qw).reshape(-1)
                 for w in ws:
                     w.write_tensor_data(raw)
                 del raw

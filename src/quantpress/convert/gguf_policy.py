@@ -27,9 +27,12 @@ Evaluation, per policy (``plan_types``):
    first match wins, else the default type), stage "adjust" (``[[adjust]]``: first match
    wins, else unchanged), the counter advances, then ``tensor_type_fallback``.
 
-Not modelled (not needed by the policies provided): llama-quantize's ``--pure``,
-``--tensor-type``, ``--output-tensor-type``, ``--token-embedding-type``,
-``--leave-output-tensor``, and the IQ1/IQ2/IQ3/TQ/MXFP4 ftype branches.
+llama-quantize's per-tensor controls (:class:`TypeOverrides`: ``--output-tensor-type``,
+``--token-embedding-type``, ``--leave-output-tensor``, ``--pure``, ``--tensor-type``) are
+applied as ``llama_tensor_get_type`` does around the rules: the first two return before any
+rule (no fallback), ``--leave-output-tensor`` makes output.weight non-quantizable, a
+``--tensor-type`` match or ``--pure`` skips the rules (and so does not advance the class
+counter), then the fallback. Not modelled: the IQ1/IQ2/IQ3/TQ/MXFP4 ftype branches.
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ from quantpress.configs import load_toml
 
 CONFIG_NAME = "gguf_policies.toml"
 
-__all__ = ["POLICIES", "ModelParams", "ftype_id", "default_type", "is_float_policy",
-           "plan_types", "tensor_order", "is_quantizable", "converter_type"]
+__all__ = ["POLICIES", "ModelParams", "TypeOverrides", "ftype_id", "default_type", "is_float_policy",
+           "plan_types", "tensor_order", "is_quantizable", "converter_type", "requires_imatrix",
+           "parse_ggml_type"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,43 @@ class ModelParams:
     def gqa(self) -> int:
         """``llama_hparams::n_gqa``: n_head / n_head_kv (unsigned division), 0 if no KV heads."""
         return 0 if self.n_head_kv == 0 else self.n_head // self.n_head_kv
+
+
+@dataclass(frozen=True)
+class TypeOverrides:
+    """llama-quantize's per-tensor controls (``tools/quantize/quantize.cpp`` options, applied
+    by ``llama_tensor_get_type`` in ``src/llama-quant.cpp``).
+
+    ``output_tensor_type`` / ``token_embedding_type``: a ggml type name for output.weight /
+    token_embd.weight (``--output-tensor-type`` / ``--token-embedding-type``);
+    ``leave_output_tensor``: output.weight is not quantized (``--leave-output-tensor``);
+    ``pure``: every quantizable tensor gets the policy's default type (``--pure``);
+    ``tensor_types``: ((regex, ggml type name), ...) in order, the first pattern found in a
+    tensor name (``std::regex_search``, the pattern lower-cased as llama-quantize does)
+    gives its type (``--tensor-type PATTERN=TYPE``).
+    """
+
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    leave_output_tensor: bool = False
+    pure: bool = False
+    tensor_types: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.output_tensor_type or self.token_embedding_type or self.leave_output_tensor
+                    or self.pure or self.tensor_types)
+
+
+def parse_ggml_type(name: str, what: str) -> str:
+    """A ggml type name matched case-insensitively (llama-quantize ``parse_ggml_type``);
+    ValueError naming ``what`` and listing the types quantpress can write otherwise."""
+    from quantpress.quantize import ggml
+
+    known = ggml.names()
+    for t in known:
+        if t.lower() == name.strip().lower():
+            return t
+    raise ValueError(f"{what}: unknown ggml type {name!r}; choose one of {', '.join(sorted(known))}")
 
 
 # --------------------------------------------------------------------------- expressions
@@ -255,6 +296,7 @@ class _Policy:
     default: str
     is_float: bool
     rules: tuple[_Rule, ...]
+    imatrix_types: frozenset[str] = frozenset()
 
 
 class _RuleSet:
@@ -317,7 +359,10 @@ class _RuleSet:
                                  f"when the default type is not quantized")
             rules = tuple(self._rule(r, class_names, f"policy {name}", shared=False)
                           for r in p.get("rules", []))
-            self.policies[name] = _Policy(name, int(p["id"]), p["default"], is_float, rules)
+            needs = frozenset(p.get("requires_imatrix", ()))
+            for t in needs:
+                _block_size(t)
+            self.policies[name] = _Policy(name, int(p["id"]), p["default"], is_float, rules, needs)
         self.select = tuple(self._rule(r, class_names, "select", shared=True)
                             for r in cfg.get("select", []))
         self.adjust = tuple(self._rule(r, class_names, "adjust", shared=True)
@@ -362,9 +407,11 @@ class _RuleSet:
                 return cls, tied_as
         return "other", None
 
-    def quantizable(self, name: str, shape: tuple[int, ...], arch: str) -> bool:
-        """``tensor_allows_quantization`` with llama-quantize's default parameters."""
+    def quantizable(self, name: str, shape: tuple[int, ...], arch: str, leave_output: bool = False) -> bool:
+        """``tensor_allows_quantization`` (``quantize_output_tensor = !leave_output``)."""
         if _ggml_n_dims(shape) < self.q_min_dims:
+            return False
+        if leave_output and name == "output.weight":
             return False
         if not name.endswith(self.q_ends_with) or name in self.q_not_equals:
             return False
@@ -465,19 +512,21 @@ def converter_type(name: str, shape: tuple[int, ...], arch: str, outtype: str) -
 
 
 def plan_types(policy: str, tensors: list[tuple[str, tuple[int, ...]]],
-               params: ModelParams) -> dict[str, str]:
+               params: ModelParams, overrides: TypeOverrides | None = None) -> dict[str, str]:
     """gguf tensor name -> ggml type name that ``policy`` gives every tensor.
 
     ``tensors``: (gguf name, shape in numpy order, last axis = ggml ne[0]) in any order;
-    ``params``: the model facts. Float policies follow convert_hf_to_gguf.py
-    (``prepare_tensors``); quantized policies follow llama-quantize on the F16 GGUF that
-    convert_hf_to_gguf.py writes (``llama_model_quantize_impl``'s preliminary loop:
-    ``llama_tensor_get_type`` per tensor in ``weight_name_comparer`` order, counters from
-    ``init_quantize_state_counters``, ``tensor_type_fallback`` last).
-    Raises ValueError for an unknown policy or a tensor listed twice.
+    ``params``: the model facts; ``overrides``: llama-quantize's per-tensor controls
+    (:class:`TypeOverrides`, ignored by the float policies). Float policies follow
+    convert_hf_to_gguf.py (``prepare_tensors``); quantized policies follow llama-quantize on
+    the F16 GGUF that convert_hf_to_gguf.py writes (``llama_model_quantize_impl``'s
+    preliminary loop: ``llama_tensor_get_type`` per tensor in ``weight_name_comparer`` order,
+    counters from ``init_quantize_state_counters``, ``tensor_type_fallback`` last).
+    Raises ValueError for an unknown policy, a tensor listed twice or a bad override regex.
     """
     rs = _rules()
     pol = rs.policy(policy)
+    ov = overrides or TypeOverrides()
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in tensors:
         if name in shapes:
@@ -487,6 +536,13 @@ def plan_types(policy: str, tensors: list[tuple[str, tuple[int, ...]]],
     if pol.is_float:
         return {name: rs.converter_type(name, shape, params.arch, pol.default)
                 for name, shape in shapes.items()}
+
+    patterns = []
+    for pat, t in ov.tensor_types:
+        try:
+            patterns.append((re.compile(pat.lower()), t))
+        except re.error as e:
+            raise ValueError(f"--tensor-type {pat}={t}: bad regular expression ({e})") from None
 
     order = tensor_order(shapes)
     classes = {name: rs.classify(name) for name in order}
@@ -511,33 +567,62 @@ def plan_types(policy: str, tensors: list[tuple[str, tuple[int, ...]]],
     out: dict[str, str] = {}
     for name in order:
         shape = shapes[name]
-        if not rs.quantizable(name, shape, params.arch):
+        if not rs.quantizable(name, shape, params.arch, ov.leave_output_tensor):
             out[name] = rs.converter_type(name, shape, params.arch, "F16")
             continue
         cls, tied_as = classes[name]
-        rule_cls = tied_as if (tied and tied_as) else cls
+        # llama_tensor_get_type: the two per-category types return before anything else
+        if ov.token_embedding_type and cls == "token_embd":
+            out[name] = ov.token_embedding_type
+            continue
+        if ov.output_tensor_type and cls == "output":
+            out[name] = ov.output_tensor_type
+            continue
+        manual = next((t for rx, t in patterns if rx.search(name)), None)
         ne0 = shape[-1]
-        env = dict(base_env, ne0=ne0, i=None, n=None, type=None)
-        if cls in rs.counters:
-            env["n"] = totals[cls]
-            env["i"] = running[cls]
-            layer_when = rs.counters[cls][1]
-            if layer_when is not None and layer_when(env):
-                layer = _layer_of(name)
-                if layer is None:
-                    raise ValueError(f"failed to determine the layer of tensor {name!r}")
-                if not 0 <= layer < env["n"]:
-                    raise ValueError(f"bad layer {layer} for tensor {name!r}: "
-                                     f"must be in [0, {env['n']})")
-                env["i"] = layer
-
-        new = _first(rs.select + pol.rules, rule_cls, pol, env, pol.default)
-        env["type"] = new
-        new = _first(rs.adjust, rule_cls, pol, env, new)
-        if cls in running:
-            running[cls] += 1
+        if manual is not None or ov.pure:
+            new = manual or pol.default
+        else:
+            rule_cls = tied_as if (tied and tied_as) else cls
+            if ov.output_tensor_type and rule_cls == "output":
+                # llama_tensor_get_type_impl: tied token_embd takes --output-tensor-type
+                new = ov.output_tensor_type
+            else:
+                new = _rule_type(rs, pol, name, cls, rule_cls, base_env, totals, running, ne0)
+            if cls in running:
+                running[cls] += 1
         out[name] = _fallback(rs, new, ne0)
     return out
+
+
+def _rule_type(rs: _RuleSet, pol: _Policy, name: str, cls: str, rule_cls: str, base_env: Env,
+               totals: dict[str, int], running: dict[str, int], ne0: int) -> str:
+    """``llama_tensor_get_type_impl`` for one tensor: the select then adjust chains."""
+    env = dict(base_env, ne0=ne0, i=None, n=None, type=None)
+    if cls in rs.counters:
+        env["n"] = totals[cls]
+        env["i"] = running[cls]
+        layer_when = rs.counters[cls][1]
+        if layer_when is not None and layer_when(env):
+            layer = _layer_of(name)
+            if layer is None:
+                raise ValueError(f"failed to determine the layer of tensor {name!r}")
+            if not 0 <= layer < env["n"]:
+                raise ValueError(f"bad layer {layer} for tensor {name!r}: "
+                                 f"must be in [0, {env['n']})")
+            env["i"] = layer
+    new = _first(rs.select + pol.rules, rule_cls, pol, env, pol.default)
+    env["type"] = new
+    return _first(rs.adjust, rule_cls, pol, env, new)
+
+
+def requires_imatrix(policy: str, name: str, type_name: str) -> bool:
+    """``tensor_requires_imatrix``: whether llama-quantize refuses to write tensor ``name`` as
+    ``type_name`` in a ``policy`` file without importance weights (Q2_K in Q2_K_S files;
+    never token_embd / output.weight)."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return type_name in _rules().policy(policy).imatrix_types
 
 
 def _first(rules: tuple[_Rule, ...], cls: str, pol: _Policy, env: Env, otherwise: str) -> str:

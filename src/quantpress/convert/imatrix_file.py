@@ -209,3 +209,135 @@ def from_stats(entries: Mapping[str, tuple[object, int]], datasets: list[str], c
     for name, (s, c) in entries.items():
         im.add(name, s, c)
     return im
+
+
+# --------------------------------------------------------------------------------------------
+# Importance weights for the quantizers (llama-quantize --imatrix)
+
+KEY_Q_FILE = "quantize.imatrix.file"
+KEY_Q_DATASET = "quantize.imatrix.dataset"
+KEY_Q_ENTRIES = "quantize.imatrix.entries_count"
+KEY_Q_CHUNKS = "quantize.imatrix.chunks_count"
+
+
+@dataclass
+class Importance:
+    """What ``llama-quantize --imatrix FILE`` hands to the quantizers, and the keys it records.
+
+    ``weights[name]``: float32 [n_mat · n_per_row] (GGUF weight name → importance of each
+    input column, one row per expert matrix); ``datasets``: calibration sources;
+    ``chunk_count``: chunks seen (0 when unknown); ``file``: the path as given on the command
+    line (recorded in ``quantize.imatrix.file``). Reproduces ``tools/quantize/quantize.cpp``
+    ``load_imatrix`` and ``prepare_imatrix`` (llama.cpp 0c1e57098)."""
+
+    weights: dict[str, np.ndarray]
+    datasets: list[str]
+    chunk_count: int
+    file: str
+
+    def kvs(self) -> list[tuple[str, object, str]]:
+        """The ``quantize.imatrix.*`` KVs llama-quantize appends (in its order), as
+        (key, value, "str"|"u32"): file (truncated to 127 bytes), the first dataset if any,
+        entries_count, and chunks_count when > 0. Empty when no entry is left."""
+        if not self.weights:
+            return []
+        out: list[tuple[str, object, str]] = [(KEY_Q_FILE, _c_str127(self.file), "str")]
+        if self.datasets:
+            out.append((KEY_Q_DATASET, _c_str127(self.datasets[0]), "str"))
+        out.append((KEY_Q_ENTRIES, len(self.weights), "u32"))
+        if self.chunk_count > 0:
+            out.append((KEY_Q_CHUNKS, int(self.chunk_count), "u32"))
+        return out
+
+    def filtered(self, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> "Importance":
+        """``prepare_imatrix``'s ``--exclude-weights`` (drop entries whose name contains any of
+        ``exclude``) then ``--include-weights`` (keep only entries containing one of
+        ``include``); substring matches, as llama-quantize."""
+        w = {k: v for k, v in self.weights.items() if not any(e in k for e in exclude)}
+        if include:
+            w = {k: v for k, v in w.items() if any(i in k for i in include)}
+        return Importance(w, list(self.datasets), self.chunk_count, self.file)
+
+
+def _c_str127(s: str) -> str:
+    """``strncpy(val_str, s, 127)``: at most 127 bytes (cut at a byte boundary, as C does;
+    an incomplete UTF-8 tail is dropped)."""
+    return s.encode("utf-8")[:127].decode("utf-8", errors="ignore")
+
+
+def load_importance(path: str | Path, shown_as: str | None = None) -> Importance:
+    """Read an imatrix as ``llama-quantize --imatrix`` does (``common_imatrix_load``): a GGUF
+    imatrix (ours or llama-imatrix's: ``in_sum2 / counts`` per matrix, importance 1 where the
+    count is 0, counts rounded with ``lround``) or, for any file that is not GGUF, the legacy
+    ``.dat`` format of older llama-imatrix (``int32 n_entries``; per entry ``int32 len, name,
+    int32 ncall, int32 nval, float32[nval]`` holding Σx²/count·ncall; optionally ``int32
+    chunk_count, int32 len, dataset``): importance = value / ncall (the value itself when
+    ncall is 0). ``shown_as``: the path string recorded in ``quantize.imatrix.file``
+    (default ``str(path)``).
+
+    Raises InputError naming the file (and the entry) for a file that cannot be read, a
+    truncated file, a non-imatrix GGUF (missing ``imatrix.*`` metadata), a bad entry count
+    or value count, or non-finite values."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise InputError(f"{p}: cannot read the imatrix ({e.strerror})") from None
+    if magic == b"GGUF":
+        try:
+            im = read_imatrix(p)
+        except InputError:
+            raise
+        except Exception as e:  # gguf-py on a truncated or corrupt file
+            raise InputError(f"{p}: not a readable GGUF imatrix ({type(e).__name__}: {e})") from None
+        weights = {}
+        for name, s in im.sums.items():
+            c = np.floor(im.counts[name].astype(np.float64) + 0.5).astype(np.float32)[:, None]
+            weights[name] = np.where(c > 0, s / np.where(c > 0, c, 1), np.float32(1)).astype(np.float32).reshape(-1)
+        return Importance(weights, im.datasets, im.chunk_count, shown_as or str(path))
+    return _load_legacy(p, shown_as or str(path))
+
+
+def _load_legacy(p: Path, shown: str) -> Importance:
+    data = p.read_bytes()
+    pos = 0
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal pos
+        if pos + n > len(data):
+            raise InputError(f"{p}: truncated legacy imatrix (.dat): {what} at byte {pos} "
+                             f"needs {n} bytes, {len(data) - pos} left")
+        b = data[pos:pos + n]
+        pos += n
+        return b
+
+    def i32(what: str) -> int:
+        return struct.unpack("<i", take(4, what))[0]
+
+    n_entries = i32("entry count") if len(data) >= 4 else 0
+    if n_entries < 1:
+        raise InputError(f"{p}: not an imatrix (no GGUF header and legacy entry count "
+                         f"{n_entries}, expected >= 1)")
+    weights: dict[str, np.ndarray] = {}
+    for i in range(n_entries):
+        n = i32(f"entry {i + 1} name length")
+        if n < 0:
+            raise InputError(f"{p}: entry {i + 1} has a negative name length {n}")
+        name = take(n, f"entry {i + 1} name").decode("utf-8", errors="replace").split("\0")[0]
+        ncall = i32(f"entry '{name}' ncall")
+        nval = i32(f"entry '{name}' value count")
+        if nval < 1:
+            raise InputError(f"{p}: entry '{name}' has {nval} values, expected >= 1")
+        v = np.frombuffer(take(4 * nval, f"entry '{name}' values"), dtype="<f4").astype(np.float32)
+        if not np.isfinite(v).all():
+            raise InputError(f"{p}: imatrix entry '{name}': non-finite values (NaN/Inf)")
+        weights[name] = (v / np.float32(ncall)).astype(np.float32) if ncall > 0 else v.copy()
+    chunk_count, datasets = 0, []
+    if pos + 4 <= len(data):
+        chunk_count = i32("chunk count")
+        if pos + 4 <= len(data):
+            n = i32("dataset name length")
+            if 0 < n <= len(data) - pos:
+                datasets.append(take(n, "dataset name").decode("utf-8", errors="replace").split("\0")[0])
+    return Importance(weights, datasets, chunk_count, shown)

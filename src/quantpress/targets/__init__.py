@@ -14,7 +14,7 @@ subclass declared for it (``class MyTarget(Target, kind="my", options=MyOptions)
 """
 from quantpress.targets.awq import AWQOptions
 from quantpress.targets.base import (CalibOptions, ComputeOptions, Run, Source, Summary, Target,
-                                     calibration_rows, produce)
+                                     calibration_rows, check_output, produce)
 from quantpress.targets.exl2 import EXL2MeasurementOptions, EXL2Options
 from quantpress.targets.fp8 import FP8Options
 from quantpress.targets.gguf import GGUFOptions
@@ -23,4 +23,4 @@ from quantpress.targets.imatrix import ImatrixOptions
 
 __all__ = ["AWQOptions", "CalibOptions", "ComputeOptions", "EXL2MeasurementOptions", "EXL2Options",
            "FP8Options", "GGUFOptions", "GPTQOptions", "ImatrixOptions", "Run", "Source", "Summary",
-           "Target", "calibration_rows", "produce"]
+           "Target", "calibration_rows", "check_output", "produce"]

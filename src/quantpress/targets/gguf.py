@@ -19,9 +19,10 @@ are written together from one read of each source tensor per tensor order
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
 from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, open_reader, reader_raw, verify_gguf,
                                           write_gguf_many)
+from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
@@ -41,27 +43,85 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass(frozen=True)
 class GGUFOptions:
-    """``policy``: a llama.cpp ftype name (F32, F16, BF16, Q8_0, Q4_0 … Q4_K_M … Q6_K;
-    :data:`quantpress.convert.gguf_policy.POLICIES`)."""
+    """Options of ``convert hf-to-gguf`` / ``quantize gguf``, with llama-quantize's names.
+
+    ``policy``: a llama.cpp ftype name (F32, F16, BF16, Q8_0, Q4_0 … Q4_K_M … Q6_K, Q2_K_S,
+    IQ4_NL, IQ4_XS; :data:`quantpress.convert.gguf_policy.POLICIES`).
+    ``imatrix``: an importance-matrix file (GGUF or legacy ``.dat``; ``--imatrix``), None for
+    none; ``include_weights`` / ``exclude_weights``: substrings of the imatrix entries to use /
+    not use (``--include-weights`` / ``--exclude-weights``, not both).
+    ``output_tensor_type``, ``token_embedding_type`` (ggml type names, any case),
+    ``leave_output_tensor``, ``pure``, ``tensor_type`` (``"REGEX=TYPE"`` strings, first match
+    wins): llama-quantize's per-tensor controls
+    (:class:`quantpress.convert.gguf_policy.TypeOverrides`)."""
 
     policy: str = "F16"
+    imatrix: str | None = None
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    leave_output_tensor: bool = False
+    pure: bool = False
+    tensor_type: tuple[str, ...] = ()
 
     def validate(self) -> None:
-        """InputError for a policy llama.cpp does not have (the message lists them)."""
+        """InputError for a policy llama.cpp does not have (the message lists them), an
+        unknown ggml type or malformed ``--tensor-type`` (llama-quantize's
+        ``parse_tensor_type``), a bad regular expression, and include with exclude."""
         if self.policy not in gguf_policy.POLICIES:
             raise InputError(f"--policy {self.policy}: unknown; choose one of "
                              f"{', '.join(gguf_policy.POLICIES)}")
+        if self.include_weights and self.exclude_weights:
+            raise InputError("--include-weights and --exclude-weights cannot be used together")
+        if (self.include_weights or self.exclude_weights) and not self.imatrix:
+            raise InputError("--include-weights/--exclude-weights need --imatrix")
+        self.overrides()
+
+    def overrides(self) -> gguf_policy.TypeOverrides:
+        """The :class:`quantpress.convert.gguf_policy.TypeOverrides` of these options
+        (InputError for an unknown type, a malformed ``--tensor-type`` or a bad regex)."""
+        import re
+
+        def ty(name: str | None, what: str) -> str | None:
+            if name is None:
+                return None
+            try:
+                return gguf_policy.parse_ggml_type(name, what)
+            except ValueError as e:
+                raise InputError(str(e)) from None
+        pairs = []
+        for spec in self.tensor_type:
+            pat, sep, t = spec.partition("=")
+            if not sep or not pat or not t:
+                raise InputError(f"--tensor-type {spec}: expected PATTERN=TYPE (e.g. attn_v=q8_0)")
+            try:
+                re.compile(pat.lower())
+            except re.error as e:
+                raise InputError(f"--tensor-type {spec}: bad regular expression {pat!r} ({e})") from None
+            pairs.append((pat, ty(t, f"--tensor-type {spec}")))
+        return gguf_policy.TypeOverrides(
+            output_tensor_type=ty(self.output_tensor_type, "--output-tensor-type"),
+            token_embedding_type=ty(self.token_embedding_type, "--token-embedding-type"),
+            leave_output_tensor=self.leave_output_tensor, pure=self.pure, tensor_types=tuple(pairs))
 
 
 @dataclass
 class GGUFPlan:
     """What will be written: ``arch``, ``kvs`` (after ``general.architecture``, in order),
-    ``tensors`` in output order and ``types`` (GGUF tensor name → ggml type name)."""
+    ``tensors`` in output order, ``types`` (GGUF tensor name → ggml type name), ``imatrix``
+    (GGUF tensor name → importance weights float32 [n_mat · ne0] for the tensors quantized
+    with them), ``base_types`` (the policy's types without the overrides) and the
+    :class:`quantpress.convert.imatrix_file.Importance` used, if any."""
 
     arch: str
     kvs: list[tuple]
     tensors: list[SourceTensor]
     types: dict[str, str]
+    imatrix: dict[str, torch.Tensor] = field(default_factory=dict)
+    base_types: dict[str, str] = field(default_factory=dict)
+    importance: Importance | None = None
+    no_entry: list[str] = field(default_factory=list)
 
 
 def _model_params(arch: str, n_layer: int, n_head: int, n_head_kv: int | None, n_expert: int,
@@ -76,7 +136,7 @@ def _in_quantize_order(tensors: list[SourceTensor]) -> list[SourceTensor]:
     return sorted(tensors, key=lambda t: order[t.name])
 
 
-def plan_from_hf(model_dir: Path, policy: str) -> GGUFPlan:
+def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = None) -> GGUFPlan:
     """The plan of ``convert_hf_to_gguf.py`` + ``llama-quantize`` for an HF llama / qwen2 /
     qwen3 directory: metadata from transformers' parsed config and the tokenizer, tensors
     renamed and transformed as the converter does (Q/K permutation for llama), generated
@@ -100,10 +160,9 @@ def plan_from_hf(model_dir: Path, policy: str) -> GGUFPlan:
     params = _model_params(arch, cfg["num_hidden_layers"], cfg["num_attention_heads"],
                            cfg.get("num_key_value_heads"),
                            cfg.get("num_local_experts") or cfg.get("num_experts") or 0, tensors)
-    types = gguf_policy.plan_types(policy, [(t.name, t.shape) for t in tensors], params)
     if not gguf_policy.is_float_policy(policy):  # llama-quantize's output order
         tensors = _in_quantize_order(tensors)
-    return GGUFPlan(arch, kvs, tensors, types)
+    return finish_plan(GGUFPlan(arch, kvs, tensors, {}), params, options or GGUFOptions(policy=policy))
 
 
 def _reader_kvs(reader: GGUFReader) -> list[tuple]:
@@ -120,10 +179,11 @@ def _reader_kvs(reader: GGUFReader) -> list[tuple]:
     return out
 
 
-def plan_from_gguf(src: Path, policy: str) -> GGUFPlan:
+def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -> GGUFPlan:
     """The plan of ``llama-quantize SRC OUT POLICY`` for an F32/F16/BF16 GGUF file. Raises
     InputError for a file gguf-py cannot read, no ``general.architecture``, or a tensor that
-    is already quantized (naming it)."""
+    is already quantized (naming it). ``options``: the imatrix and per-tensor controls
+    (:func:`finish_plan`)."""
     src = Path(src)
     reader = open_reader(src)
     field_arch = reader.get_field("general.architecture")
@@ -148,11 +208,75 @@ def plan_from_gguf(src: Path, policy: str) -> GGUFPlan:
         tensors.append(SourceTensor(rt.name, shape, load))
     params = _model_params(arch, kv("block_count"), kv("attention.head_count"),
                            kv("attention.head_count_kv"), kv("expert_count", 0), tensors)
-    types = gguf_policy.plan_types(policy, [(t.name, t.shape) for t in tensors], params)
     kvs = _reader_kvs(reader) + [
         ("general.quantization_version", 2, GGUFValueType.UINT32, None),
         ("general.file_type", gguf_policy.ftype_id(policy), GGUFValueType.UINT32, None)]
-    return GGUFPlan(arch, kvs, _in_quantize_order(tensors), types)
+    return finish_plan(GGUFPlan(arch, kvs, _in_quantize_order(tensors), {}), params,
+                       options or GGUFOptions(policy=policy))
+
+
+def finish_plan(plan: GGUFPlan, params: gguf_policy.ModelParams, options: GGUFOptions) -> GGUFPlan:
+    """Types, importance weights and ``quantize.imatrix.*`` keys of a plan whose tensors and
+    KVs are set, as ``llama_model_quantize_impl`` decides them with ``--imatrix`` and the
+    per-tensor controls of ``options``:
+
+    - the imatrix (:func:`quantpress.convert.imatrix_file.load_importance`, filtered by
+      include/exclude) counts as present when an entry is left (``params.has_imatrix``);
+    - every quantized tensor takes its entry by name; a tensor without one is quantized
+      without (llama-quantize's "did not find weights", listed in ``no_entry``); an entry
+      whose size is not ne0 · n_mat is an error except for token_embd (quantized without);
+    - a tensor whose type needs an imatrix (``tensor_requires_imatrix``: Q2_K in Q2_K_S) and
+      has none is refused;
+    - the ``quantize.imatrix.*`` keys are appended after ``general.file_type``.
+
+    Float policies ignore all of it. Raises InputError naming the file, the tensor or the
+    option: an imatrix none of whose entries name a tensor of the model (from another
+    model: the first entry is named), a size mismatch, a missing required imatrix."""
+    policy = options.policy
+    ov = options.overrides()
+    imp = None
+    if options.imatrix and not gguf_policy.is_float_policy(policy):
+        imp = load_importance(options.imatrix).filtered(options.include_weights, options.exclude_weights)
+    params = dataclasses.replace(params, has_imatrix=bool(imp and imp.weights))
+    shapes = [(t.name, t.shape) for t in plan.tensors]
+    try:
+        plan.types = gguf_policy.plan_types(policy, shapes, params, ov)
+        plan.base_types = gguf_policy.plan_types(policy, shapes, params) if ov else plan.types
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if gguf_policy.is_float_policy(policy):
+        return plan
+    quantized = [t for t in plan.tensors if plan.types[t.name] not in FLOAT_TYPES]
+    if imp and imp.weights:
+        names = {t.name for t in plan.tensors}
+        if not any(k in names for k in imp.weights):
+            first = sorted(imp.weights)[0]
+            raise InputError(f"{options.imatrix}: imatrix entry '{first}' names no tensor of the "
+                             f"model (an imatrix of another model?)")
+        for t in quantized:
+            w = imp.weights.get(t.name)
+            if w is None:
+                plan.no_entry.append(t.name)
+                continue
+            ne0 = t.shape[-1]
+            n_mat = t.shape[0] if len(t.shape) == 3 else 1
+            if w.size != ne0 * n_mat:
+                if t.name in ("token_embd.weight", "per_layer_token_embd.weight"):
+                    plan.no_entry.append(t.name)
+                    continue
+                raise InputError(f"{options.imatrix}: imatrix size {w.size} is different from "
+                                 f"tensor size {ne0 * n_mat} for {t.name} (an imatrix of another model?)")
+            plan.imatrix[t.name] = torch.from_numpy(w)
+        plan.importance = imp
+        plan.kvs = list(plan.kvs) + [
+            (k, v, GGUFValueType.STRING if kind == "str" else GGUFValueType.UINT32, None)
+            for k, v, kind in imp.kvs()]
+    for t in quantized:
+        if t.name not in plan.imatrix and gguf_policy.requires_imatrix(policy, t.name, plan.types[t.name]):
+            raise InputError(f"--policy {policy}: tensor {t.name} ({plan.types[t.name]}) needs an "
+                             "importance matrix (--imatrix FILE or --imatrix auto), as llama-quantize "
+                             "requires")
+    return plan
 
 
 class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
@@ -161,8 +285,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):
             self.device = self.source.device
-            p, policy = self.source.path, self.options.policy
-            self.plan = plan_from_gguf(p, policy) if p.is_file() else plan_from_hf(p, policy)
+            p, o = self.source.path, self.options
+            self.plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
 
     def write(self, tmp: Path, run: Run) -> None:
         self.write_together([self], [tmp], run)
@@ -225,7 +349,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             try:
                 for idx in groups.values():
                     first = targets[idx[0]]
-                    files = [(tmps[i], targets[i].plan.kvs, targets[i].plan.types) for i in idx]
+                    files = [(tmps[i], targets[i].plan.kvs, targets[i].plan.types, targets[i].plan.imatrix)
+                             for i in idx]
                     write_gguf_many(files, first.plan.arch, first.plan.tensors, first.device,
                                     progress=progress)
             finally:
@@ -257,8 +382,21 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                          f"{max(t.max_abs_err for t in rt.tensors):.3e}"
                          + (f", lowest SNR {worst.snr_db:.1f} dB ({worst.name}, {worst.type})"
                             if worst else ", lossless"))
+        pl = self.plan
+        changed = {n: (pl.base_types[n], t) for n, t in types.items() if pl.base_types.get(n, t) != t}
+        if changed:
+            shown = ", ".join(f"{n} {a}->{b}" for n, (a, b) in list(changed.items())[:8])
+            more = f" (+{len(changed) - 8} more)" if len(changed) > 8 else ""
+            lines.append(f"overrides  {len(changed)} tensors changed: {shown}{more}")
+        if pl.importance is not None:
+            lines.append(f"imatrix    {pl.importance.file}: {len(pl.imatrix)} tensors weighted"
+                         + (f", {len(pl.no_entry)} without an entry ({', '.join(pl.no_entry[:4])}"
+                            + (", ..." if len(pl.no_entry) > 4 else "") + ")" if pl.no_entry else ""))
         details = {
             "policy": self.options.policy, "type_counts": counts, "rmse": overall,
+            "overrides": {n: {"policy": a, "written": b} for n, (a, b) in changed.items()},
+            "imatrix": None if pl.importance is None else {
+                "file": pl.importance.file, "weighted": sorted(pl.imatrix), "no_entry": pl.no_entry},
             "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "bytes": t.n_bytes,
                          "bpw": t.bpw, "rmse": t.rmse, "max_abs_err": t.max_abs_err,
                          "snr_db": t.snr_db if math.isfinite(t.snr_db) else None}

@@ -7,7 +7,9 @@ llama.cpp 0c1e570, as vendored in llama-cpp-python 0.3.36).
 
 Public API
 ----------
-``quantize(x, name)``: float tensor [..., n] -> uint8 [..., n // block_size * type_size]
+``quantize(x, name, imatrix=None)``: float tensor [..., n] -> uint8 [..., n // block_size * type_size],
+with importance weights ``imatrix`` float32 [n] (one per column, as ``ggml_quantize_chunk``'s
+``imatrix`` argument) for the types that use them
 ``dequantize(raw, name)``: uint8 [..., n_bytes] -> float32 [..., n]
 ``get(name)``: the :class:`GGMLType` record.
 """
@@ -18,6 +20,8 @@ from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
+
+from .common import fdiv
 
 # elements processed per chunk by quantize()/dequantize(): bounds the temporaries of the
 # search-based K-quants (a handful of float32 copies of the chunk) independently of the
@@ -32,6 +36,14 @@ class GGMLType:
     ``block_size`` is elements per block, ``type_size`` bytes per block.
     ``quantize_blocks``: float32 [nb, block_size] -> uint8 [nb, type_size].
     ``dequantize_blocks``: uint8 [nb, type_size] -> float32 [nb, block_size].
+    ``quantize_blocks_weighted``: the path ``ggml_quantize_chunk`` takes with an importance
+    matrix (``quantize_row_<type>_impl``), or None when the type ignores it (Q8_0, F16 …):
+    ``(x float32 [nb, block_size], qw float32 [nb, block_size], row_sigma2 float32 [nb, 1] or
+    None) -> uint8 [nb, type_size]``, where ``qw`` holds the imatrix entries of each block's
+    columns and ``row_sigma2`` C's ``sum_x2/n_per_row`` of the block's whole row (sequential
+    float32 sum, one division; only computed for types with ``weighted_uses_row_sigma2``:
+    the legacy types' sigma² is per row, the others' per super-block).
+    ``needs_imatrix``: llama.cpp refuses the type without one (the very low-bit i-quants).
     """
 
     name: str
@@ -39,6 +51,9 @@ class GGMLType:
     type_size: int
     quantize_blocks: Callable[[torch.Tensor], torch.Tensor]
     dequantize_blocks: Callable[[torch.Tensor], torch.Tensor]
+    quantize_blocks_weighted: Callable[..., torch.Tensor] | None = None
+    weighted_uses_row_sigma2: bool = False
+    needs_imatrix: bool = False
 
     @property
     def type_id(self) -> int:
@@ -83,22 +98,51 @@ def _rows_per_chunk(n: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, n))
 
 
-def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+def row_sigma2(rows: torch.Tensor) -> torch.Tensor:
+    """C's ``sum_x2 = 0; for (j = 0; j < n_per_row; ++j) sum_x2 += x[j]*x[j];
+    sigma2 = sum_x2/n_per_row;`` per row (``quantize_row_q4_0_impl`` …): float32 [r, n] ->
+    float32 [r, 1], sequential with one rounding per step."""
+    sq = (rows * rows).t().contiguous()        # positions first: each step one contiguous row
+    acc = sq[0].clone()
+    for j in range(1, sq.shape[0]):
+        acc.add_(sq[j])
+    return fdiv(acc, float(rows.shape[1])).unsqueeze(1)
+
+
+def quantize(x: torch.Tensor, name: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize ``x`` (any float dtype, [..., n]) row-wise to ggml type ``name``.
 
     Computation is float32 on ``x.device``. Returns uint8 [..., n // block_size * type_size]
-    with llama.cpp's block bytes (``quantize_row_<type>_ref``). Raises ValueError when n is
-    not a multiple of the block size.
+    with the bytes of llama.cpp's ``ggml_quantize_chunk(type, x, ..., imatrix)``: without
+    ``imatrix`` the ``quantize_row_<type>_ref`` path (IQ4_NL / IQ4_XS: ``quantize_iq4_nl`` /
+    ``quantize_iq4_xs`` with weights x², the ``ntry = 7`` search); with ``imatrix`` (float32 [n], the
+    importance of each column, e.g. one tensor's entry of an imatrix file) the
+    ``quantize_row_<type>_impl`` path of the types that use it (ignored by the others, as
+    llama.cpp ignores it). Raises ValueError when n is not a multiple of the block size or
+    ``imatrix`` is not [n].
     """
     t = get(name)
     n = x.shape[-1]
     rb = t.row_bytes(n)
     rows = x.reshape(-1, n)
     out = torch.empty((rows.shape[0], rb), dtype=torch.uint8, device=x.device)
+    weighted = imatrix is not None and t.quantize_blocks_weighted is not None
+    if weighted:
+        if imatrix.shape != (n,):
+            raise ValueError(f"{name}: imatrix has shape {tuple(imatrix.shape)}, expected ({n},)")
+        qw = imatrix.to(device=x.device, dtype=torch.float32).reshape(1, n)
     step = _rows_per_chunk(n)
+    bpr = n // t.block_size
     for r0 in range(0, rows.shape[0], step):
-        chunk = rows[r0:r0 + step].to(torch.float32).reshape(-1, t.block_size)
-        out[r0:r0 + step] = t.quantize_blocks(chunk).reshape(-1, rb)
+        chunk = rows[r0:r0 + step].to(torch.float32)
+        if weighted:
+            r = chunk.shape[0]
+            w = qw.expand(r, n).reshape(-1, t.block_size)
+            s2 = row_sigma2(chunk).repeat_interleave(bpr, 0) if t.weighted_uses_row_sigma2 else None
+            q = t.quantize_blocks_weighted(chunk.reshape(-1, t.block_size), w, s2)
+        else:
+            q = t.quantize_blocks(chunk.reshape(-1, t.block_size))
+        out[r0:r0 + step] = q.reshape(-1, rb)
     return out.reshape(*x.shape[:-1], rb)
 
 
@@ -126,3 +170,4 @@ def dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
 from . import floats as _floats  # noqa: E402,F401
 from . import legacy as _legacy  # noqa: E402,F401
 from . import kquants as _kquants  # noqa: E402,F401
+from . import iquants as _iquants  # noqa: E402,F401

@@ -199,10 +199,12 @@ def single_threaded_ops():
                 torch.set_num_threads(_threads_saved)
 
 
-def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
+def map_block_slices(fn, x: torch.Tensor, *more) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
-    Other devices: ``fn(x)`` once. CPU: the rows are cut into slices of about
+    ``more``: further arguments of ``fn``; tensors among them are [nb, ...] and sliced along
+    with ``x`` (None and other values are passed as they are).
+    Other devices: ``fn(x, *more)`` once. CPU: the rows are cut into slices of about
     :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated. The codecs issue
     thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading costs
     more than it brings (and stalls badly on a busy machine), so ops run single-threaded and
@@ -210,17 +212,22 @@ def map_block_slices(fn, x: torch.Tensor) -> torch.Tensor:
     releases the GIL inside ops). torch's thread setting is restored on return.
     """
     if x.device.type != "cpu":
-        return fn(x)
+        return fn(x, *more)
     nb, k = x.shape
     step = max(1, CPU_SLICE_ELEMENTS // max(1, k))
-    slices = [x[i:i + step] for i in range(0, nb, step)]
+    starts = range(0, nb, step)
+
+    def part(i: int) -> torch.Tensor:
+        args = [m[i:i + step] if isinstance(m, torch.Tensor) else m for m in more]
+        return fn(x[i:i + step], *args)
+
     with single_threaded_ops() as threads:
-        workers = min(threads, len(slices))
+        workers = min(threads, len(starts))
         if workers > 1:
             with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                outs = list(pool.map(fn, slices))
+                outs = list(pool.map(part, starts))
         else:
-            outs = [fn(s) for s in slices]
+            outs = [part(i) for i in starts]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -228,6 +235,6 @@ def sliced(fn):
     """Decorator: run block codec ``fn`` through :func:`map_block_slices` (same signature,
     docstring kept; the undecorated function is ``fn.__wrapped__``)."""
     @functools.wraps(fn)
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return map_block_slices(fn, x)
+    def run(x: torch.Tensor, *more) -> torch.Tensor:
+        return map_block_slices(fn, x, *more)
     return run

@@ -1,8 +1,9 @@
 """K-quant ggml types (super-blocks of 256): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 
 Vectorized torch reproductions of llama.cpp's ``quantize_row_qX_K_ref`` (the path taken by
-``ggml_quantize_chunk`` without an importance matrix) and ``dequantize_row_qX_K``
-(``ggml/src/ggml-quants.c`` at llama.cpp 0c1e570, as vendored in llama-cpp-python 0.3.36).
+``ggml_quantize_chunk`` without an importance matrix), ``quantize_row_qX_K_impl`` (the path
+with one: ``quantize_qX_k_weighted``) and ``dequantize_row_qX_K`` (``ggml/src/ggml-quants.c``
+at llama.cpp 0c1e570, as vendored in llama-cpp-python 0.3.36).
 
 Bit-exactness rules followed throughout:
 
@@ -166,20 +167,27 @@ def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: in
     return t
 
 
-def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` over many sub-blocks.
+def make_qx_quants(x: torch.Tensor, nmax: int,
+                   w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` over many sub-blocks.
 
-    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``). Weights are x². Tries
-    the inverse scale -nmax/max, then -(nmax + 0.1*t)/max for t = -9..9, keeping the best
-    weighted least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding
-    integers 0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
+    ``x``: float32 [n, S] (element i of sub-block s at ``x[i, s]``); ``w``: the weights
+    ``qw``, float32 [n, S], or None for C's ``qw = NULL`` (weights x²). Tries the inverse
+    scale -nmax/max, then -(nmax + 0.1*t)/max for t = -9..9, keeping the best weighted
+    least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding integers
+    0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
     """
     n, S = x.shape
     dev = x.device
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
     any_zero = bool(zero.any())
-    w = x * x
+    weighted = w is not None
+    # iscale*x is NaN only where x is not finite (a weighted call's x may be scales that
+    # overflowed): C's nearest_int(NaN) is 0
+    fix_nan = weighted and not bool(torch.isfinite(x).all())
+    if not weighted:
+        w = x * x
     wwx = torch.stack([w * x, w], 1)        # [n, 2, S]: w*x, w
     del w
     la = torch.empty_like(x)
@@ -200,12 +208,16 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     def sums(iscale: torch.Tensor) -> None:
         # |iscale*x| <= (nmax + 1)*(1 + eps) in every sub-block with max|x| >= 1e-15 (the
         # others are masked at the end), so rounding with round() (half to even) is exact
-        # (-0.0 for C's 0 changes no sum: the max element's level is never 0)
+        # (-0.0 for C's 0 only flips the sign of zero terms, which a sum started at +0,
+        # as C's, does not see; a zero sumlx, e.g. from underflowing w*x, has scale +0)
         torch.mul(x, iscale, out=la)        # iscale*x
         la.round_().clamp_(-nmax, nmax - 1)
+        if fix_nan:
+            la.masked_fill_(la.isnan(), 0.0)
         torch.mul(wwx, la2, out=p)          # (w*x)*l, w*l
         pl2.mul_(la)                        # (w*l)*l
         _seq_sum_into(p_rows, s)
+        s.add_(0.0)                         # C's sums start at +0: a sum of zeros is +0
 
     torch.div(torch.full_like(mx, float(-nmax)), mx, out=sel)
     sums(sel)
@@ -228,6 +240,8 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
     torch.mul(x, sel, out=la)
     L = la.round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    if fix_nan:
+        L.masked_fill_(L.isnan(), float(nmax))
     if any_zero:
         scale = torch.where(zero, 0.0, scale)
         L.masked_fill_(zero, 0.0)
@@ -318,8 +332,11 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
-                     nstep: int, use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp ``make_qkx2_quants`` over many sub-blocks (affine scale + min search).
+                     nstep: int, use_mad: bool,
+                     xmin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qkx2_quants`` over many sub-blocks (affine scale + min search); also
+    ``make_qkx3_quants`` with weights and ``nstep >= 1`` (the importance-matrix paths), which
+    is the same computation (its ``max <= min`` test equals ``max == min``, as min <= max).
 
     ``x``, ``w``: float32 [n, S] (values and weights). Tries ``nstep + 1`` inverse scales
     ``(rmin + rdelta*k + nmax) / (max - min)``, each followed by a weighted least-squares fit
@@ -327,11 +344,13 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     C, an accepted fit's min is used by the following steps. Returns (scale [S],
     the_min [S] >= 0, L float32 [n, S] of integers 0..nmax), so that x ≈ scale*L - the_min.
     Constant sub-blocks (max == min after min is capped at 0) give scale 0, L 0 and
-    the_min = -min.
+    the_min = -min. ``xmin`` float32 [S]: each sub-block's minimum as C's scan finds it (the
+    first of equal values, which fixes the sign of a zero minimum; it matters where the_min
+    is stored as it is, as in Q4_1/Q5_1); None: ``x.amin(0)``.
     """
     n, S = x.shape
     dev = x.device
-    ends = torch.stack([x.amin(0), x.amax(0)])      # [xmin, max] per sub-block
+    ends = torch.stack([x.amin(0) if xmin is None else xmin, x.amax(0)])    # [xmin, max] per sub-block
     xmin, mx = ends[0], ends[1]
     # per-sub-block scalars live in rows of small buffers, so that one op updates several
     V = torch.empty((5, S), device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
@@ -419,6 +438,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         torch.mul(p[:, 1], la, out=p[:, 0])  # (w*l)*l
         torch.mul(p[:, 1], x, out=p[:, 2])  # (w*l)*x
         _seq_sum_into(p_rows, V[2:5])       # sum_l2, sum_l, sum_xl
+        V[2:5].add_(0.0)                    # C's sums start at +0: a sum of zeros is +0
         torch.mul(V[2::2], sum_w, out=Q[0:2])   # sum_w*sum_l2, sum_w*sum_xl
         torch.mul(V[2:4], sum_x, out=Q[2::2])   # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
         torch.mul(V[3:5], V[3], out=Q[3::2])    # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
@@ -439,7 +459,84 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     return scale, the_min, L
 
 
+def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp ``make_qp_quants(n, nmax, x, L, quant_weights)`` over many groups: the
+    non-negative quantization of a super-block's sub-block scales (or mins) with weights.
+
+    ``x``, ``w``: float32 [n, S] (value i of group s at ``x[i, s]``; n = 8 or 16, S groups).
+    Inverse scale nmax/max, then (nmax + 0.1*t)/max for t = -4..4 if its weighted squared
+    error is lower; then up to 5 coordinate-descent passes. Returns (scale float32 [S],
+    L int32 [n, S] of the uint8 values C stores: 0..nmax, or wrapped modulo 256 for
+    negative x). Groups whose max is below 1e-15 give scale 0, L = 0. All work is on the
+    small [n, S] arrays, with C's integer ``nearest_int`` throughout.
+    """
+    n = x.shape[0]
+    # C: max = MAX(max, x[i]) from 0 (the macro keeps max unless max > x[i] fails)
+    mx = torch.zeros_like(x[0])
+    for i in range(n):
+        mx = torch.where(mx > x[i], mx, x[i])
+    zero = mx < GROUP_MAX_EPS
+    iscale = fdiv(float(nmax), mx)
+
+    def mse(scale: torch.Tensor, lf: torch.Tensor) -> torch.Tensor:
+        diff = x - scale * lf
+        return _seq_sum_rows(w * diff * diff)   # (w*diff)*diff, left to right
+
+    # first estimate: L stored unclamped as uint8, and that stored value enters the error
+    best = mse(fdiv(1.0, iscale), (nearest_int(iscale * x) & 0xFF).to(torch.float32))
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = fdiv(f32(f32(f32(0.1) * step) + nmax), mx)
+        cur = mse(fdiv(1.0, iscale_is), nearest_int(iscale_is * x).clamp_max_(nmax).to(torch.float32))
+        take = cur < best
+        best = torch.where(take, cur, best)
+        iscale = torch.where(take, iscale_is, iscale)
+    l = nearest_int(iscale * x).clamp_max_(nmax)
+    wx = w * x
+    lf = l.to(torch.float32)
+    sumlx = _seq_sum_rows(wx * lf) + 0.0  # (C's sums start at +0: a sum of zeros is +0)
+    suml2 = _seq_sum_rows(w * lf * lf) + 0.0
+    L = l & 0xFF                        # uint8 L[i]; the passes below read the stored value
+    for _ in range(5):
+        # a pass that changes nothing leaves the state as it was, so running all 5 passes
+        # equals C's per-group ``if (!n_changed) break``
+        changed = torch.zeros_like(zero)
+        for i in range(n):
+            li = L[i].to(torch.float32)
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - w[i] * li * li
+            new_l = nearest_int(x[i] * sl2 / slx).clamp_max_(nmax)
+            nl = new_l.to(torch.float32)
+            slx2 = slx + wx[i] * nl
+            sl22 = sl2 + w[i] * nl * nl
+            accept = (slx > 0) & (sl2 > 0) & (new_l != L[i]) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[i] = torch.where(accept, new_l & 0xFF, L[i])
+            sumlx = torch.where(accept, slx2, sumlx)
+            suml2 = torch.where(accept, sl22, suml2)
+            changed |= accept
+        if not bool(changed.any()):
+            break
+    scale = torch.where(suml2 > 0, sumlx / suml2, 0.0)
+    scale = torch.where(zero, 0.0, scale)
+    return scale, L.masked_fill_(zero, 0)
+
+
 # ============================================================================ Q2_K
+
+def _q2_k_bytes(xs: torch.Tensor, L: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+                dmin: torch.Tensor) -> torch.Tensor:
+    """Tail shared by the Q2_K quantizers: the scale bytes ``sc`` (int32 [nb, 16]: 4-bit
+    scale | 4-bit min << 4) and d/dmin (float32 [nb, 1]) give the requantization of ``xs``
+    (float32 [16, S] positions first; ``L`` float32 [16, S] kept where the scale is 0);
+    returns the block bytes uint8 [nb, 84]."""
+    nb = d.shape[0]
+    dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, mj, dj, 0, 3, L)
+    Lb = _levels_blocks_first(L, nb)
+    return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
+
 
 @sliced
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
@@ -464,14 +561,28 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     lm = torch.where(has_m, nearest_int(fdiv(15.0, max_min) * the_min), 0)
     dmin = torch.where(has_m, fdiv(max_min, 15.0), 0.0)
     sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j]
+    return _q2_k_bytes(xs, L, sc, d, dmin)
 
-    # requantize with the stored (fp16) super-block scales
-    dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
-    mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, mj, dj, 0, 3, L)
 
-    Lb = _levels_blocks_first(L, nb)
-    return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
+@sliced
+def quantize_q2_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q2_K_impl`` (with ``quant_weights``): float32 [nb, 256] and
+    the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 84].
+
+    sigma2 = sum(x²)/256 per super-block; make_qkx3_quants(nmax 3, rmin -0.9, rdelta 0.05,
+    36 steps, MSE) of each sub-block of 16 weighted by qw*sqrt(sigma2 + x²); d and dmin from
+    make_qp_quants(nmax 15) of the scales and of the mins weighted by the sub-blocks' weight
+    sums; requantization with fp16 d/dmin. ``row_sigma2`` is unused (None). Layout as Q2_K.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    w = _importance_weights(xs, qw, _superblock_sigma2(x, 1.0))
+    sw = _by_block(_seq_sum_rows(w), nb)
+    scale, the_min, L = make_qkx2_quants(xs, w, 3, -0.9, 0.05, 36, False)
+    del w
+    d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 15)
+    sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j] = Ls[j] | (Lm[j] << 4)
+    return _q2_k_bytes(xs, L, sc, d.unsqueeze(1), dmin.unsqueeze(1))
 
 
 @sliced
@@ -489,6 +600,31 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ Q3_K
+
+def _q3_k_bytes(xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Tail shared by the Q3_K quantizers: the 6-bit scales ``l`` (int32 [nb, 16], 0..63,
+    stored biased by 32) and d (float32 [nb, 1]) give the requantization of ``xs`` (float32
+    [16, S] positions first, ``L`` float32 [16, S] of 0..7 kept where the scale is 0);
+    returns the block bytes uint8 [nb, 110]."""
+    nb = d.shape[0]
+    lo = l & 0xF
+    hi = (l >> 4).reshape(nb, 4, 4)    # [group j//4, j%4]
+    sc_hi = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    scales = torch.cat([lo[:, :8] | (lo[:, 8:] << 4), sc_hi], dim=1)
+
+    # requantize: sc = stored 6-bit scale - 32
+    dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, None, dj, -4, 3, L)
+
+    Lb = _levels_blocks_first(L, nb)
+    high = Lb > 3
+    Lb = Lb & 3
+    hb = high.to(torch.int32).reshape(nb, 8, 32)
+    shifts = torch.arange(8, device=xs.device, dtype=torch.int32).reshape(1, 8, 1)
+    hmask = (hb << shifts).sum(1, dtype=torch.int32)
+    return torch.cat([hmask.to(torch.uint8), _pack_2bit(Lb), (scales & 0xFF).to(torch.uint8),
+                      fp16_bytes(d)], dim=1)
+
 
 @sliced
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
@@ -508,25 +644,29 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     nz = max_scale != 0
     iscale = fdiv(-32.0, max_scale)
     l = (to_int8(nearest_int(iscale * scale)).clamp_(-32, 31) + 32)
-    l = torch.where(nz, l, 0)
-    lo = l & 0xF
-    hi = (l >> 4).reshape(nb, 4, 4)    # [group j//4, j%4]
-    sc_hi = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-    scales = torch.cat([lo[:, :8] | (lo[:, 8:] << 4), sc_hi], dim=1)
+    l = torch.where(nz, l, 0)           # (all scales zero: stored 0, i.e. sc = -32)
     d = torch.where(nz, fdiv(1.0, iscale), 0.0)
+    return _q3_k_bytes(xs, L, l, d)
 
-    # requantize: sc = stored 6-bit scale - 32 (-32 when the scales are all zero)
-    dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, None, dj, -4, 3, L)
 
-    Lb = _levels_blocks_first(L, nb)
-    high = Lb > 3
-    Lb = Lb & 3
-    hb = high.to(torch.int32).reshape(nb, 8, 32)
-    shifts = torch.arange(8, device=x.device, dtype=torch.int32).reshape(1, 8, 1)
-    hmask = (hb << shifts).sum(1, dtype=torch.int32)
-    return torch.cat([hmask.to(torch.uint8), _pack_2bit(Lb), (scales & 0xFF).to(torch.uint8),
-                      fp16_bytes(d)], dim=1)
+@sliced
+def quantize_q3_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q3_K_impl`` with ``quant_weights``: float32 [nb, 256] and
+    the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 110].
+
+    sigma2 = 2*sum(x²)/256 per super-block; make_qx_quants(nmax 4) of each sub-block of 16
+    weighted by qw*sqrt(sigma2 + x²); the 6-bit scales and d from make_qx_quants(nmax 32)
+    of the 16 sub-block scales weighted by the sub-blocks' weight sums; requantization with
+    fp16 d. ``row_sigma2`` is unused (None). Layout as Q3_K.
+    """
+    nb = x.shape[0]
+    xs = _positions_first(x, 16)
+    w = _importance_weights(xs, qw, _superblock_sigma2(x, 2.0))
+    sw = _by_block(_seq_sum_rows(w), nb)
+    scale, L = make_qx_quants(xs, 4, w)
+    del w
+    d, ls = make_qx_quants(_by_block(scale, nb), 32, sw)
+    return _q3_k_bytes(xs, L, ls.t().to(torch.int32), d.unsqueeze(1))
 
 
 @sliced
@@ -551,6 +691,25 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q4_K / Q5_K
 
+def _k4_requant(xs: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+                ls: torch.Tensor, lm: torch.Tensor, nmax: int,
+                read_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tail shared by the Q4_K/Q5_K quantizers: pack the 6-bit scales/mins (int32 [nb, 8],
+    the values C stores in uint8), requantize with fp16 d/dmin (float32 [nb, 1]) and the
+    scales as ``get_scale_min_k4`` reads them back (``read_back``: values above 63, whose
+    bits overlap in the packing, are possible). Returns (head uint8 [nb, 16]: d, dmin,
+    scales[12]; L uint8 [nb, 256] of 0..nmax)."""
+    nb = d.shape[0]
+    packed = _pack_scale_min_k4(ls, lm)
+    if read_back:
+        ls, lm = _unpack_scale_min_k4(packed)
+    dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
+    mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
+    L = _requant(xs, mj, dj, 0, nmax, L)
+    head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), packed], dim=1)
+    return head, _levels_blocks_first(L, nb)
+
+
 def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     """Shared part of quantize_row_q4_K_ref / q5_K_ref: sub-block fits, 6-bit scales/mins,
     fp16 d/dmin and the requantized L (uint8 [nb, 256], 0..nmax)."""
@@ -572,13 +731,80 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     lm = (nearest_int(inv_min * the_min) & 0xFF).clamp_max_(63)
     d = fdiv(max_scale, 63.0)
     dmin = fdiv(max_min, 63.0)
+    return _k4_requant(xs, L, d, dmin, ls, lm, nmax)
 
-    dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
-    mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, mj, dj, 0, nmax, L)
-    Lb = _levels_blocks_first(L, nb)
-    head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), _pack_scale_min_k4(ls, lm)], dim=1)
-    return head, Lb
+
+def _superblock_sigma2(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """C's ``sumx2 = 0; for (j = 0; j < QK_K; ++j) sumx2 += x[j]*x[j]; sigma2 =
+    factor*sumx2/QK_K`` (factor 2 in Q3_K..Q5_K, 1 in Q2_K): float32 [nb, 256] -> [nb]."""
+    xt = x.t().contiguous()             # positions first: the 256 steps on contiguous rows
+    s = _seq_sum_rows(xt * xt)
+    if factor != 1:
+        s = s * factor
+    return fdiv(s, float(QK_K))
+
+
+def _importance_weights(xs: torch.Tensor, qw: torch.Tensor, sigma2: torch.Tensor) -> torch.Tensor:
+    """``weight[l] = qw[l] * sqrtf(sigma2 + x[l]*x[l])`` positions first: ``xs`` float32
+    [n, S] (sub-blocks of n), ``qw`` float32 [nb, 256] in block order, ``sigma2`` [nb]
+    (per super-block) -> float32 [n, S]."""
+    n = xs.shape[0]
+    t = xs * xs
+    t += sigma2.repeat_interleave(QK_K // n).unsqueeze(0)
+    t = sqrtf(t)
+    t *= _positions_first(qw, n)
+    return t
+
+
+def _by_block(v: torch.Tensor, nb: int) -> torch.Tensor:
+    """Per-sub-block values [nb * k] -> [k, nb] (each super-block's k values as a column)."""
+    return v.reshape(nb, -1).t().contiguous()
+
+
+def _qp_scales_and_mins(scale: torch.Tensor, the_min: torch.Tensor, sw: torch.Tensor, nmax: int):
+    """C's ``make_qp_quants(k, nmax, scales, Ls, sw)`` and ``make_qp_quants(k, nmax, mins,
+    Lm, sw)`` in one call (the same weights): ``scale``, ``the_min`` float32 [nb * k] per
+    sub-block, ``sw`` float32 [k, nb] -> (d [nb], Ls int32 [nb, k], dmin [nb], Lm [nb, k])."""
+    nb = sw.shape[1]
+    v, L = make_qp_quants(torch.cat([_by_block(scale, nb), _by_block(the_min, nb)], 1), sw.repeat(1, 2), nmax)
+    return v[:nb], L[:, :nb].t(), v[nb:], L[:, nb:].t()
+
+
+def _k4_scales_weighted(x: torch.Tensor, qw: torch.Tensor, nmax: int):
+    """Shared part of quantize_row_q4_K_impl / q5_K_impl (with quant_weights): weights
+    qw*sqrt(sigma2 + x²), make_qkx3_quants(rmin -0.9, rdelta 0.05, 36 steps, MSE) per
+    sub-block of 32, then make_qp_quants(nmax 63) of the scales and of the mins weighted by
+    the sub-blocks' weight sums. Returns (head uint8 [nb, 16], L uint8 [nb, 256])."""
+    nb = x.shape[0]
+    xs = _positions_first(x, 32)
+    w = _importance_weights(xs, qw, _superblock_sigma2(x, 2.0))
+    sw = _by_block(_seq_sum_rows(w), nb)
+    scale, the_min, L = make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36, False)
+    del w
+    d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 63)
+    if nmax == 31:                      # (Q5_K only: C's MIN(63, ls))
+        ls, lm = ls.clamp_max(63), lm.clamp_max(63)
+    return _k4_requant(xs, L, d.unsqueeze(1), dmin.unsqueeze(1), ls, lm, nmax, read_back=True)
+
+
+def _q4_k_bytes(head: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """Q4_K block bytes from the head [nb, 16] and the levels uint8 [nb, 256]."""
+    q = L.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(-1, 128)
+    return torch.cat([head, qs], dim=1)
+
+
+def _q5_k_bytes(head: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """Q5_K block bytes from the head [nb, 16] and the levels uint8 [nb, 256] (5th bit to qh)."""
+    q = L.reshape(-1, 4, 2, 32)
+    a, bb = q[:, :, 0], q[:, :, 1]
+    ha, hb = a > 15, bb > 15
+    a = a & 15
+    bb = bb & 15
+    qs = (a | (bb << 4)).to(torch.uint8).reshape(-1, 128)
+    shifts = torch.arange(0, 8, 2, device=L.device, dtype=torch.int32).reshape(1, 4, 1)
+    qh = ((ha.to(torch.int32) << shifts) | (hb.to(torch.int32) << (shifts + 1))).sum(1, dtype=torch.int32)
+    return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
 
 
 @sliced
@@ -589,10 +815,20 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     rdelta 0.1, 20 steps, MSE); 6-bit scales/mins relative to fp16 d = max_scale/63 and
     dmin = max_min/63; requantization with fp16 d/dmin. Layout: d, dmin, scales[12], qs[128].
     """
-    head, L = _k4_scales(x, 15, -1.0, 20)
-    q = L.reshape(-1, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(-1, 128)
-    return torch.cat([head, qs], dim=1)
+    return _q4_k_bytes(*_k4_scales(x, 15, -1.0, 20))
+
+
+@sliced
+def quantize_q4_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_K_impl`` with ``quant_weights``: float32 [nb, 256] and
+    the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 144].
+
+    sigma2 = 2*sum(x²)/256 per super-block; sub-block weights qw*sqrt(sigma2 + x²);
+    make_qkx3_quants(nmax 15, rmin -0.9, rdelta 0.05, 36 steps, MSE); d and dmin from
+    make_qp_quants(nmax 63) of the scales and mins weighted by the sub-blocks' weight sums;
+    requantization with fp16 d/dmin. ``row_sigma2`` is unused (None). Layout as Q4_K.
+    """
+    return _q4_k_bytes(*_k4_scales_weighted(x, qw, 15))
 
 
 @sliced
@@ -618,16 +854,17 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     As Q4_K with make_qkx2_quants(nmax 31, rmin -0.5, rdelta 0.1, 15 steps, MSE); the 5th
     bit goes to qh. Layout: d, dmin, scales[12], qh[32], qs[128].
     """
-    head, L = _k4_scales(x, 31, -0.5, 15)
-    q = L.reshape(-1, 4, 2, 32)
-    a, bb = q[:, :, 0], q[:, :, 1]
-    ha, hb = a > 15, bb > 15
-    a = a & 15
-    bb = bb & 15
-    qs = (a | (bb << 4)).to(torch.uint8).reshape(-1, 128)
-    shifts = torch.arange(0, 8, 2, device=x.device, dtype=torch.int32).reshape(1, 4, 1)
-    qh = ((ha.to(torch.int32) << shifts) | (hb.to(torch.int32) << (shifts + 1))).sum(1, dtype=torch.int32)
-    return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
+    return _q5_k_bytes(*_k4_scales(x, 31, -0.5, 15))
+
+
+@sliced
+def quantize_q5_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_K_impl`` with ``quant_weights``: float32 [nb, 256] and
+    ``qw`` float32 [nb, 256] -> uint8 [nb, 176]. As :func:`quantize_q4_k_weighted` with
+    make_qkx3_quants(nmax 31) and the 6-bit scales/mins capped at 63; layout as Q5_K.
+    ``row_sigma2`` is unused (None).
+    """
+    return _q5_k_bytes(*_k4_scales_weighted(x, qw, 31))
 
 
 @sliced
@@ -661,9 +898,26 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     requantization with fp16 d. Blocks whose largest sub-block
     scale is below 1e-15 are all zero bytes. Layout: ql[128], qh[64], int8 scales[16], d.
     """
+    return _q6_k(x, None)
+
+
+@sliced
+def quantize_q6_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q6_K_impl`` with ``quant_weights``: float32 [nb, 256] and
+    the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 210].
+
+    As :func:`quantize_q6_k` with make_qx_quants weighted by ``qw`` itself (C leaves its
+    sigma2 weighting commented out). ``row_sigma2`` is unused (None).
+    """
+    return _q6_k(x, qw)
+
+
+def _q6_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
+    """quantize_row_q6_K_ref (``qw`` None) / quantize_row_q6_K_impl (``qw`` float32
+    [nb, 256], passed as make_qx_quants' weights as they are)."""
     nb = x.shape[0]
     xs = _positions_first(x, 16)
-    scale, L = make_qx_quants(xs, 32)
+    scale, L = make_qx_quants(xs, 32, None if qw is None else _positions_first(qw, 16))
     scale = scale.reshape(nb, 16)
     max_scale, max_abs = first_absmax(scale, 1)
     zero = (max_abs < GROUP_MAX_EPS).unsqueeze(1)
@@ -701,8 +955,13 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(nb, QK_K)
 
 
-Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k))
-Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k))
-Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k))
-Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k))
-Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k))
+Q2_K = register(GGMLType("Q2_K", QK_K, 84, quantize_q2_k, dequantize_q2_k,
+                          quantize_blocks_weighted=quantize_q2_k_weighted))
+Q3_K = register(GGMLType("Q3_K", QK_K, 110, quantize_q3_k, dequantize_q3_k,
+                          quantize_blocks_weighted=quantize_q3_k_weighted))
+Q4_K = register(GGMLType("Q4_K", QK_K, 144, quantize_q4_k, dequantize_q4_k,
+                          quantize_blocks_weighted=quantize_q4_k_weighted))
+Q5_K = register(GGMLType("Q5_K", QK_K, 176, quantize_q5_k, dequantize_q5_k,
+                          quantize_blocks_weighted=quantize_q5_k_weighted))
+Q6_K = register(GGMLType("Q6_K", QK_K, 210, quantize_q6_k, dequantize_q6_k,
+                          quantize_blocks_weighted=quantize_q6_k_weighted))

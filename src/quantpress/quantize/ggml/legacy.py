@@ -14,13 +14,17 @@ Block layouts (little-endian, fp16 scales):
 * Q8_0 (34 B): d, int8 qs[32]      x = q * d
 
 The low nibble of ``qs[j]`` holds element j, the high nibble element j + 16.
+
+With an importance matrix (``quantize_row_q*_impl``) Q4_0/Q5_0 use K-quants'
+``make_qx_quants`` and Q4_1/Q5_1 ``make_qkx3_quants``, weighted by
+``qw * sqrt(sigma2 + x²)`` with the row's sigma2 = mean x²; Q8_0 ignores the imatrix.
 """
 from __future__ import annotations
 
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf, sliced, to_int8
+from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf, sliced, sqrtf, to_int8
 
 QK = 32
 
@@ -184,8 +188,95 @@ def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * d
 
 
-Q4_0 = register(GGMLType("Q4_0", QK, 18, quantize_q4_0, dequantize_q4_0))
-Q4_1 = register(GGMLType("Q4_1", QK, 20, quantize_q4_1, dequantize_q4_1))
-Q5_0 = register(GGMLType("Q5_0", QK, 22, quantize_q5_0, dequantize_q5_0))
-Q5_1 = register(GGMLType("Q5_1", QK, 24, quantize_q5_1, dequantize_q5_1))
+# ----------------------------------------------------------------------------- imatrix paths
+
+def _weighted_inputs(x: torch.Tensor, qw: torch.Tensor,
+                     row_sigma2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks and their weights ``weight[j] = qw[j] * sqrtf(sigma2 + x[j]*x[j])`` positions
+    first: float32 [nb, 32] (and ``row_sigma2`` [nb, 1]) -> ([32, nb], [32, nb])."""
+    xs = x.t().contiguous()
+    w = xs * xs
+    w += row_sigma2.reshape(1, -1)
+    w = sqrtf(w)
+    w *= qw.t()
+    return xs, w
+
+
+def _weighted_symmetric(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor,
+                        nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_row_q4_0_impl / q5_0_impl core: make_qx_quants(32, nmax, rmse_type 1, weights)
+    per block. Returns (d float32 [nb, 1], q int32 [nb, 32] of 0..2*nmax-1)."""
+    from .kquants import make_qx_quants    # (imported here: kquants registers after this module)
+
+    xs, w = _weighted_inputs(x, qw, row_sigma2)
+    d, L = make_qx_quants(xs, nmax, w)
+    return d.unsqueeze(1), L.t().to(torch.int32)
+
+
+def _weighted_affine(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor,
+                     nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_row_q4_1_impl / q5_1_impl core: make_qkx3_quants(32, nmax, weights, rmin
+    -0.9, rdelta 0.05, 36 steps, MSE) per block. Returns (d, m float32 [nb, 1] with
+    x ≈ d*q + m, q int32 [nb, 32] of 0..nmax)."""
+    from .kquants import make_qkx2_quants  # (same computation as make_qkx3_quants here)
+
+    xs, w = _weighted_inputs(x, qw, row_sigma2)
+    xmin, _ = _first_min_max(x)
+    d, the_min, L = make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36, False, xmin=xmin.reshape(-1))
+    return d.unsqueeze(1), (-the_min).unsqueeze(1), L.t().to(torch.int32)
+
+
+@sliced
+def quantize_q4_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_0_impl`` with ``quant_weights``: float32 [nb, 32], the
+    blocks' importance weights ``qw`` float32 [nb, 32] and their rows' ``sum_x2/n_per_row``
+    ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 18].
+
+    d and q from make_qx_quants(nmax 8) weighted by qw*sqrt(sigma2 + x²); no requantization.
+    """
+    d, q = _weighted_symmetric(x, qw, row_sigma2, 8)
+    return torch.cat([fp16_bytes(d), _nibbles(q, False)], dim=1)
+
+
+@sliced
+def quantize_q4_1_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q4_1_impl`` with ``quant_weights``: float32 [nb, 32],
+    ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 20].
+
+    d, m and q from make_qkx3_quants(nmax 15) weighted by qw*sqrt(sigma2 + x²).
+    """
+    d, m, q = _weighted_affine(x, qw, row_sigma2, 15)
+    return torch.cat([fp16_bytes(d), fp16_bytes(m), _nibbles(q, False)], dim=1)
+
+
+@sliced
+def quantize_q5_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_0_impl`` with ``quant_weights``: float32 [nb, 32],
+    ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 22].
+
+    d and q from make_qx_quants(nmax 16) weighted by qw*sqrt(sigma2 + x²).
+    """
+    d, q = _weighted_symmetric(x, qw, row_sigma2, 16)
+    return torch.cat([fp16_bytes(d), _qh_bits(q), _nibbles(q, True)], dim=1)
+
+
+@sliced
+def quantize_q5_1_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
+    """llama.cpp ``quantize_row_q5_1_impl`` with ``quant_weights``: float32 [nb, 32],
+    ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 24].
+
+    d, m and q from make_qkx3_quants(nmax 31) weighted by qw*sqrt(sigma2 + x²).
+    """
+    d, m, q = _weighted_affine(x, qw, row_sigma2, 31)
+    return torch.cat([fp16_bytes(d), fp16_bytes(m), _qh_bits(q), _nibbles(q, True)], dim=1)
+
+
+Q4_0 = register(GGMLType("Q4_0", QK, 18, quantize_q4_0, dequantize_q4_0,
+                          quantize_blocks_weighted=quantize_q4_0_weighted, weighted_uses_row_sigma2=True))
+Q4_1 = register(GGMLType("Q4_1", QK, 20, quantize_q4_1, dequantize_q4_1,
+                          quantize_blocks_weighted=quantize_q4_1_weighted, weighted_uses_row_sigma2=True))
+Q5_0 = register(GGMLType("Q5_0", QK, 22, quantize_q5_0, dequantize_q5_0,
+                          quantize_blocks_weighted=quantize_q5_0_weighted, weighted_uses_row_sigma2=True))
+Q5_1 = register(GGMLType("Q5_1", QK, 24, quantize_q5_1, dequantize_q5_1,
+                          quantize_blocks_weighted=quantize_q5_1_weighted, weighted_uses_row_sigma2=True))
 Q8_0 = register(GGMLType("Q8_0", QK, 34, quantize_q8_0, dequantize_q8_0))

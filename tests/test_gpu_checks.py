@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_checks.py"
 TYPES = ["F16", "Q4_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K"]
 FAST = ["--samples", "2", "--seqlen", "32", "--eval-ctx", "32", "--eval-chunks", "1",
-        "--types", ",".join(TYPES + ["IQ4_NL"]), "--shapes", "64x256,8x4096", "--repeat", "1"]
+        "--types", ",".join(TYPES + ["IQ2_XXS"]), "--shapes", "64x256,8x4096", "--repeat", "1"]
 
 
 def _env(**extra) -> dict:
@@ -47,7 +47,7 @@ def test_cpu_against_cpu_is_identical_everywhere(smoke):
         assert c["identical"] is True and c["pass"] is True, name
 
     g = checks["ggml"]
-    assert sorted(g["types"]) == sorted(TYPES) and g["unknown_types"] == ["IQ4_NL"]
+    assert sorted(g["types"]) == sorted(TYPES) and g["unknown_types"] == ["IQ2_XXS"]
     for t, v in g["types"].items():
         assert set(v["shapes"]) >= {"64x256", "8x4096"}, t
         for s in v["shapes"].values():

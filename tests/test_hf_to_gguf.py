@@ -10,7 +10,8 @@ from quantpress.convert.gguf_policy import POLICIES
 from make import gguf
 from refs import kvs_of, ref_convert, ref_quantize, tensors_of
 
-QUANT_POLICIES = [p for p in POLICIES if p not in ("F32", "F16", "BF16")]
+# Q2_K_S (refused without an importance matrix), IQ4_NL and IQ4_XS: tests/test_gguf_imatrix.py
+QUANT_POLICIES = [p for p in POLICIES if p not in ("F32", "F16", "BF16", "Q2_K_S", "IQ4_NL", "IQ4_XS")]
 # keys that describe where a file came from, not what it is
 PROVENANCE = {"general.name", "general.basename", "general.size_label", "general.finetune",
               "general.source.url", "general.url", "general.repo_url", "general.source.repo_url"}

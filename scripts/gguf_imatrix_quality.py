@@ -24,6 +24,7 @@ def main() -> None:
     from quantpress import assets
     from quantpress.targets import CalibOptions, ComputeOptions, GGUFOptions, ImatrixOptions, Source, produce
     from quantpress.targets.eval import EvalOptions, evaluate
+    from quality_table import print_table
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
@@ -55,19 +56,12 @@ def main() -> None:
             print(s.text(), flush=True)
     rep = evaluate(model, list(files.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
     (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
-    base = rep.models[0].ppl["ppl"]
     print()
     print(f"SmolLM2-135M-Instruct, imatrix from {args.samples} x {args.seqlen} tokens of wiki.utf8 "
           f"(articles 0-1799, {t_im:.0f} s); eval: {rep.n_chunks} chunks of {rep.n_ctx} "
           f"(held-out articles 1800-2348)")
     print()
-    print("| file | bpw | PPL | ΔPPL | KLD mean | KLD 99% | top-1 | time |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| FP16 | 16 | {base:.4f} | | | | | |")
-    for name, m in zip(files, rep.models[1:]):
-        p = m.ppl["ppl"]
-        print(f"| {name} | {bpw[name]:.2f} | {p:.4f} | {p - base:+.4f} | {m.kl['kld_mean']:.5f} "
-              f"| {m.kl['kld_p99']:.4f} | {100 * m.kl['same_top']:.2f}% | {times[name]:.0f} s |")
+    print_table(rep, list(files), bpw, times, first="file")
 
 
 if __name__ == "__main__":

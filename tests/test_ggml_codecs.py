@@ -167,7 +167,7 @@ def test_dequantize_matches_llamacpp(inputs, name, kind):
     assert _same_bits(ours, ggml_ref.ref_dequantize(raw, name))
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", TYPES + ["IQ4_NL", "IQ4_XS"])
 def test_dequantize_arbitrary_bytes(name):
     """Random bytes (every bit pattern of scales and quants, NaN/inf fp16 scales included)
     dequantize exactly as llama.cpp's to_float."""

@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, sys
+import json, resource, sys, time
 sys.path.insert(0, sys.argv[1] + "/scripts")
 import tempfile
 from pathlib import Path
@@ -55,9 +55,13 @@ samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5
 src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
              progress=False)
 w = PhaseWatch().start()
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
     s = produce(AWQOptions(group_size=gs), src, Path(tmp) / "out", progress=False)
-print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), **w.stop()}), flush=True)
+r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+cpu = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+       "minflt": r1.ru_minflt - r0.ru_minflt}
+print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "cpu": cpu, **w.stop()}), flush=True)
 """
 
 
@@ -135,7 +139,10 @@ def main() -> None:
         r = _run(model, n, L, args.group_size, args.device)
         rows.append((n, L, r))
         st = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
-        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}", flush=True)
+        c = r["cpu"]
+        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}; CPU user {c['user_s']:.1f} s, system "
+              f"{c['sys_s']:.1f} s ({c['sys_s'] / c['wall_s']:.1%} of wall), "
+              f"{c['minflt'] / 1e6:.2f} M page faults", flush=True)
     print()
     print("peak anonymous RSS above the baseline (libraries loaded: torch, transformers' model classes,")
     print("the tokenizer; no weights, no data), per phase, MiB;")

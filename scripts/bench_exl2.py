@@ -28,6 +28,17 @@ The head (lm_head, quantized after the layers; SmolLM2's tied 49,152 × 576 embe
 largest single linear: its phase holds it in float32 plus the GPTQ working memory
 (≈ 4 + 11 bytes per weight), i.e. it follows the largest tensor.
 
+The measurement's time per decoder layer (from the summary's ``measurement_layers``):
+GPTQ of every candidate setting, module forwards (the reference and each candidate), and
+Hessian accumulation (XᵀX in the reference forward's hooks), and how fast its matrix work
+runs against ``torch.mm`` of two 2048 × 2048 float32 matrices on the same cores (measured
+here first), from these floating-point operation counts (T = calibration tokens, per layer):
+
+    Hessians  2·T·K² per input set (q/k/v, o, gate/up, down)
+    forwards  (1 + options) × 2·T·(module parameters), attention scores 4·T·seqlen·heads·head_dim
+    GPTQ      N·K² per linear [N, K] and distinct setting (the blocked error updates
+              W[:, j:] −= E·H⁻¹[b, j:], summed over the blocks)
+
 exllamav2 0.3.2 itself needs a CUDA GPU (its extension has no CPU path), so the side-by-side
 run is for a machine with one (``--device cuda``; exllamav2's ``convert.py`` on the same
 model and calibration sizes); on CPU there is no reference to compare with.
@@ -90,6 +101,72 @@ def expected(model: Path, tokens: int) -> dict[str, int]:
             "S": (64 << 20) + 3 * h * f * 2 * 2}
 
 
+def mm_flops_per_second(device: str, n: int = 2048, repeat: int = 5) -> float:
+    """Best-of-``repeat`` rate of ``torch.mm`` on two float32 [n, n] matrices (flop/s)."""
+    import time
+
+    import torch
+
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def measurement_flops(model: Path, samples: int, seqlen: int) -> dict[str, float]:
+    """Floating-point operations of one decoder layer's measurement, by part (module
+    docstring)."""
+    from quantpress.quantize import exl2 as qexl2
+
+    cfg = json.loads((model / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim", h // heads)
+    T = samples * seqlen
+    shapes = {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h),
+              "o_proj": (h, heads * hd), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    hess = 2 * T * (h * h + (heads * hd) ** 2 + h * h + f * f)
+    attn = qexl2.attn_options()
+    mlp = qexl2.mlp_options()
+    attn_fwd = 2 * T * sum(n * k for name, (n, k) in shapes.items() if name in attn[0]) \
+        + 4 * T * seqlen * heads * hd
+    mlp_fwd = 2 * T * sum(n * k for name, (n, k) in shapes.items() if name in mlp[0])
+    fwd = (1 + len(attn)) * attn_fwd + (1 + len(mlp)) * mlp_fwd
+    gptq = 0
+    for opts in (attn, mlp):
+        for name in opts[0]:
+            n, k = shapes[name]
+            gptq += len({repr(o[name]) for o in opts}) * n * k * k
+    return {"gptq": gptq, "forward": fwd, "hessian": hess}
+
+
+def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> None:
+    """Seconds per part for a few decoder layers and the sum, and each part's rate as a
+    fraction of ``mm`` (flop/s)."""
+    layers = r["details"]["measurement_layers"]
+    parts = ("gptq", "forward", "hessian")
+    print(f"{'layer':>6} " + " ".join(f"{p:>9}" for p in parts) + "  (seconds)")
+    show = sorted({0, 1, len(layers) // 2, len(layers) - 1})
+    for i in show:
+        print(f"{i:>6} " + " ".join(f"{layers[i][p]:>9.2f}" for p in parts))
+    tot = {p: sum(x[p] for x in layers) for p in parts}
+    print(f"{'all':>6} " + " ".join(f"{tot[p]:>9.2f}" for p in parts))
+    n = len(layers)
+    rates = {p: flops[p] * n / max(tot[p], 1e-9) for p in parts}
+    all_rate = sum(flops.values()) * n / max(sum(tot.values()), 1e-9)
+    print(f"torch.mm 2048² float32 here: {mm / 1e9:.1f} GFLOP/s; measurement's matrix work: "
+          + ", ".join(f"{p} {rates[p] / 1e9:.1f} GFLOP/s ({rates[p] / mm:.2f})" for p in parts)
+          + f"; all {all_rate / 1e9:.1f} GFLOP/s = {all_rate / mm:.2f} of torch.mm")
+
+
 def main() -> None:
     from quantpress import assets
 
@@ -106,6 +183,7 @@ def main() -> None:
     common = dict(samples=args.samples, seqlen=args.seqlen, device=args.device)
     print(f"model {model.name}, calibration {args.samples} x {args.seqlen}, device {args.device}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
+    mm = mm_flops_per_second(args.device)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         meas = Path(tmp) / "measurement.json"
@@ -122,6 +200,9 @@ def main() -> None:
         st = r["stages"]
         print(f"{name:<26} {r['seconds']:>7.1f} "
               + " ".join(f"{st[n]:>12.1f}" if n in st else f"{'':>12}" for n in names))
+    print()
+    print("measurement per decoder layer:")
+    print_measurement_layers(runs[0][1], measurement_flops(model, args.samples, args.seqlen), mm)
     print()
     tokens = args.samples * args.seqlen
     e = expected(model, tokens)

@@ -415,21 +415,40 @@ def test_dataset_folder_and_name(tmp_path, monkeypatch):
         data.load_texts(tmp_path / "nope.jsonl")
 
 
-def test_bound_heap_returns_freed_tensors():
-    """After bound_heap(), a freed multi-MiB tensor leaves the process (glibc would otherwise
-    raise its mmap threshold at the first free and keep the next ones on the heap)."""
-    from quantpress.runtime import bound_heap
+def test_bound_heap_keeps_step_temporaries_until_the_layer_ends():
+    """After bound_heap(), a freed 12 MiB tensor stays on the heap for the next step to reuse
+    (no unmapping and faulting in again) until trim_heap() at the layer's end returns it; a
+    tensor above the mmap threshold leaves the process when freed."""
+    from quantpress.runtime import MMAP_THRESHOLD, bound_heap, trim_heap
 
     if not bound_heap():
-        pytest.skip("not glibc: mallopt unavailable")
+        pytest.skip("not glibc, or MALLOC_*_THRESHOLD_ set: mallopt not applied")
 
     def anon():
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon"):
                 return int(line.split()[1]) * 1024
 
+    trim_heap()
     before = anon()
     for _ in range(4):
         t = torch.ones(3 << 20)  # 12 MiB, touched
         del t
+    kept = anon() - before
+    trim_heap()
+    assert kept >= 10 << 20 and anon() - before < 4 << 20
+    big = torch.ones(MMAP_THRESHOLD // 4 + (1 << 20))
+    del big
     assert anon() - before < 4 << 20
+
+
+def test_estimate_line_scales_the_first_layer():
+    """The estimate after a pass's first layer: rows x seqlen tokens at the first layer's
+    rate, times the layers left."""
+    from quantpress.calibration.engine import estimate_line
+
+    line = estimate_line(128, 512, 30, 250.3)
+    assert line == ("estimate: 128 rows x 512 tokens x 30 layers: the first took 250.3 s "
+                    "(262 tokens/s), about 2 h 05 min for the pass")
+    assert estimate_line(4, 64, 3, 2.0).endswith("(128 tokens/s), about 6 s for the pass")
+    assert estimate_line(16, 256, 30, 10.0).endswith("about 5 min 00 s for the pass")

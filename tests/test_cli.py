@@ -147,3 +147,18 @@ def test_python_m_quantpress_has_every_verb(tiny_llama_dir, tmp_path):
         assert verb in p.stdout
     p = subprocess.run(run + ["--version"], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.startswith("quantpress ")
+
+
+def test_calibrated_verb_prints_one_estimate_line(tiny_llama_dir, tmp_path, capsys):
+    """After the first layer a calibrated pass prints its estimate (rows x tokens x layers at
+    the first layer's rate) once; --quiet prints none."""
+    import json as _json
+
+    layers = _json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
+    base = ["imatrix", str(tiny_llama_dir), "--samples", "3", "--seqlen", "32", "--device", "cpu"]
+    assert quantize_main(base + ["-o", str(tmp_path / "a.gguf")]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("estimate: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"estimate: 3 rows x 32 tokens x {layers} layers: "
+                                                   "the first took "), lines
+    assert quantize_main(base + ["-o", str(tmp_path / "b.gguf"), "--quiet"]) == 0
+    assert "estimate:" not in capsys.readouterr().err

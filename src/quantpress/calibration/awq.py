@@ -160,10 +160,7 @@ class LayerQuantizer:
     checkpoint names (``{prefix}{i}.self_attn.q_proj.qweight``, ``.qzeros``, ``.scales``,
     biases and norms in float16, FP16 ``.weight`` for linears that cannot be quantized) and
     its :class:`LinearResult` list. ``rows``/``seqlen``: the calibration batch shape.
-    ``timings`` accumulates seconds per stage ("search", "clip", "quantize").
-    ``after_step``: called after each scale group's search, each linear's clipping search and
-    each linear's quantization (the pipeline gives the allocator its freed temporaries back
-    there)."""
+    ``timings`` accumulates seconds per stage ("search", "clip", "quantize")."""
 
     spec: ArchSpec
     opts: AWQSettings
@@ -172,7 +169,6 @@ class LayerQuantizer:
     rows: int = 0
     seqlen: int = 0
     timings: dict = field(default_factory=lambda: {"search": 0.0, "clip": 0.0, "quantize": 0.0})
-    after_step: Callable[[], None] | None = None
     _caches: dict = field(default_factory=dict)
     _fill: dict = field(default_factory=dict)
 
@@ -237,7 +233,6 @@ class LayerQuantizer:
                 if not self.group_applies(g, shapes) or any(why[n] for n in g.layers):
                     continue
                 found.append((g, self.search_scale(g, layer, t16, caches, ctx)))
-                self._step_done()
             for g, s in found:
                 self.fold(g, s, t16, caches)
             self.timings["search"] += time.perf_counter() - t0
@@ -248,7 +243,6 @@ class LayerQuantizer:
                         x = caches[self.spec.input_of(n)]
                         mx = qawq.best_clip(t16[n + ".weight"], x, o.bits, o.group_size)
                         t16[n + ".weight"] = qawq.apply_clip(t16[n + ".weight"], mx, o.group_size)
-                        self._step_done()
                 self.timings["clip"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         out, results = {}, []
@@ -264,19 +258,12 @@ class LayerQuantizer:
                 results.append(LinearResult(lp + mod_name, shapes[mod_name], True,
                                             digest=tensor_digest(gq.w_fq), rel_rmse=rel))
                 del gq, d
-                self._step_done()
             else:
                 out[lp + local] = t.cpu()
                 if local.endswith(".weight") and mod_name in why:
                     results.append(LinearResult(lp + mod_name, shapes[mod_name], False, why[mod_name]))
         self.timings["quantize"] += time.perf_counter() - t0
         self.sink(index, out, results)
-
-    # ---- steps ---------------------------------------------------------------------------
-
-    def _step_done(self) -> None:
-        if self.after_step is not None:
-            self.after_step()
 
     def float16_tensors(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
         """The layer's tensors (local names) in float16, on the layer's device: the values AWQ

@@ -151,6 +151,10 @@ class HessianCapture:
             h.remove()
         self._handles = []
 
+    def seconds(self) -> float:
+        """Wall seconds spent accumulating XᵀX so far (all hooked linears)."""
+        return sum(st.seconds for st in self.collector.stats.values())
+
     def hessian(self, full_name: str, rows: int) -> torch.Tensor:
         """``H = Σ_rows XᵀX / n_rows`` float32 [K, K] of linear ``full_name`` (exllamav2 adds
         one batch per calibration row and divides by the number of batches)."""
@@ -236,10 +240,17 @@ def linear_bits(qp: qexl2.QParams, lin: nn.Linear) -> int:
 
 @dataclass
 class Timings:
-    """Seconds spent in GPTQ (``gptq``) and in module forwards / Hessians (``forward``)."""
+    """Wall seconds spent in GPTQ (``gptq``), in module forwards (``forward``: the reference
+    and the candidate settings' outputs) and in accumulating the Hessians XᵀX (``hessian``,
+    inside the reference forward's hooks)."""
 
     gptq: float = 0.0
     forward: float = 0.0
+    hessian: float = 0.0
+
+    def minus(self, other: "Timings") -> "Timings":
+        """The seconds added since ``other`` was copied (a per-layer share)."""
+        return Timings(self.gptq - other.gptq, self.forward - other.forward, self.hessian - other.hessian)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +268,9 @@ class Measurer:
     lists of measurement.json (as exllamav2 0.3.2 ``measure_quant`` writes them), ``content``
     maps the same keys to the :func:`content_share` ρ of the module's reference output (not
     part of measurement.json: the ``"content"`` allocation objective divides err by it) and
-    ``quantized`` counts the GPTQ runs per module."""
+    ``quantized`` counts the GPTQ runs per module; ``per_layer`` holds each layer's
+    :class:`Timings` share, in layer order (what the summary and scripts/bench_exl2.py
+    report)."""
 
     rows: int
     prefix: str = "model.layers."
@@ -267,6 +280,7 @@ class Measurer:
     content: dict = field(default_factory=dict)
     quantized: dict = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    per_layer: list = field(default_factory=list)
     _col: HessianCapture | None = None
 
     def hooks(self, index: int, layer: nn.Module):
@@ -283,6 +297,8 @@ class Measurer:
         """Measure layer ``index``'s two modules; return None so that the next layer gets the
         unquantized layer's output (no error accumulates)."""
         col, self._col = self._col, None
+        before = Timings(**vars(self.timings))
+        self.timings.hessian += col.seconds()
         x = inputs
         for mode, what in (("self_attn", "attention"), ("mlp", "MLP")):
             t0 = time.perf_counter()
@@ -292,6 +308,7 @@ class Measurer:
             self.content[layer_key(index, mode)] = content_share(y)
             self.measure_module(index, layer, mode, x, y, col, ctx)
             x = y  # the MLP block's input is the (unquantized) attention block's output
+        self.per_layer.append(self.timings.minus(before))
         return None
 
     def layer_state(self, index: int) -> dict:
@@ -300,7 +317,8 @@ class Measurer:
         keys = [layer_key(index, m) for m in MODULES]
         return {"results": {k: self.results[k] for k in keys}, "content": {k: self.content[k] for k in keys},
                 "quantized": {k: self.quantized[k] for k in keys},
-                "timings": (self.timings.gptq, self.timings.forward)}
+                "timings": (self.timings.gptq, self.timings.forward, self.timings.hessian),
+                "per_layer": [vars(t) for t in self.per_layer]}
 
     def restore(self, index: int, saved: dict) -> None:
         """Take back layer ``index``'s saved measurement (a resumed pass)."""
@@ -308,6 +326,7 @@ class Measurer:
         self.content.update(saved["content"])
         self.quantized.update(saved["quantized"])
         self.timings = Timings(*saved["timings"])
+        self.per_layer = [Timings(**t) for t in saved.get("per_layer", [])]
 
     def measure_module(self, index: int, layer: nn.Module, mode: str, x: torch.Tensor,
                        y_ref: torch.Tensor, col: HessianCapture, ctx) -> list[dict]:
@@ -432,6 +451,7 @@ class Quantizer:
     sink: LayerSink
     prefix: str = "model.layers."
     timings: Timings = field(default_factory=Timings)
+    per_layer: list = field(default_factory=list)
     _col: HessianCapture | None = None
 
     def hooks(self, index: int, layer: nn.Module):

@@ -82,7 +82,6 @@ class LayerQuantizer:
     settings: GPTQSettings
     prefix: str
     sink: GPTQSink
-    after_step: Callable[[], None] | None = None
     timings: Timings = field(default_factory=Timings)
     _col: StatsCollector | None = None
 
@@ -160,8 +159,6 @@ class LayerQuantizer:
             rel = float(torch.linalg.norm(r.weight.float() - x) / torch.linalg.norm(x).clamp_min(1e-30))
             records.append(LinearResult(full, (N, K), True, digest=tensor_digest(r.weight), rel_rmse=rel))
             quantized[full] = (_to_cpu(r), bias)
-            if self.after_step is not None:
-                self.after_step()
         self.timings.gptq += time.perf_counter() - t0
         self.sink(index, kept, quantized, records)
 

@@ -25,6 +25,7 @@ float64. Non-finite activations raise :class:`~quantize.errors.InputError` namin
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -56,6 +57,8 @@ class LinearStats:
     sq_sum: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
     abs_max: torch.Tensor | None = None
+    #: wall seconds spent in :meth:`update` (on CUDA: launching the work, unsynchronized)
+    seconds: float = 0.0
 
     def __post_init__(self):
         unknown = set(self.kinds) - KNOWN_KINDS
@@ -79,6 +82,7 @@ class LinearStats:
         Inf (like llama.cpp's "non-finite values detected in <tensor>")."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input width {x.shape[-1]}, expected {self.in_features}")
+        t0 = time.perf_counter()
         x = x.reshape(-1, self.in_features).float()
         if not bool(torch.isfinite(x).all()):
             n_bad = int((~torch.isfinite(x)).sum())
@@ -94,6 +98,7 @@ class LinearStats:
             self.xtx += (x.T @ x).to(self.xtx.device, self.xtx.dtype)
         if self.abs_max is not None:
             torch.maximum(self.abs_max, x.abs().amax(0).to(self.abs_max.device), out=self.abs_max)
+        self.seconds += time.perf_counter() - t0
 
     def _need(self, kind: str, what: str):
         if kind not in self.kinds:

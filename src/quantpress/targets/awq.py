@@ -122,7 +122,7 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
             self.writer.add(tensors)
             self.results.extend(res)
 
-        self.lq = cawq.LayerQuantizer(self.spec, o.settings(), sm.layer_prefix, sink, after_step=trim_heap)
+        self.lq = cawq.LayerQuantizer(self.spec, o.settings(), sm.layer_prefix, sink)
         if not o.rtn:
             self.lq.rows, self.lq.seqlen = self.rows.shape
 

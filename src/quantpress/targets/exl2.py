@@ -346,10 +346,19 @@ class EXL2MeasurementTarget(Target, kind="measurement", options=EXL2MeasurementO
                        lines=[f"layers     {self.m.L} (attention and MLP options of each)",
                               f"calibration {rows} rows x {seqlen} tokens of {self.m.text}",
                               f"detail     GPTQ {self.timings.gptq:.1f} s, forwards "
-                              f"{self.timings.forward:.1f} s"],
+                              f"{self.timings.forward:.1f} s, Hessians {self.timings.hessian:.1f} s"],
                        details={"num_layers": self.m.L, "calibration": {"rows": rows, "seqlen": seqlen},
                                 "detail": {"measurement_gptq": self.timings.gptq,
-                                           "measurement_forward": self.timings.forward}})
+                                           "measurement_forward": self.timings.forward,
+                                           "measurement_hessian": self.timings.hessian},
+                                "measurement_layers": layer_seconds(self.measurer)})
+
+
+def layer_seconds(measurer: cm.Measurer) -> list[dict]:
+    """The measurement pass's wall seconds per decoder layer, in layer order:
+    ``[{"gptq": s, "forward": s, "hessian": s}, ...]`` (GPTQ of the candidate settings, module
+    forwards, XᵀX accumulation; :class:`calibration.exl2_measure.Timings`)."""
+    return [{k: round(v, 3) for k, v in vars(t).items()} for t in measurer.per_layer]
 
 
 class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
@@ -375,6 +384,7 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
             self.meas = mfile.read_measurement(o.measurement, expect_layers=m.L, expect_shapes=m.shapes)
         m.calibrate(run)
         self.detail: dict[str, float] = {}
+        self.measurement_layers: list[dict] = []
 
     def wants_reference(self) -> bool:
         """Without :attr:`EXL2Options.measurement`, the measurement pass runs on the reference
@@ -396,7 +406,9 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                     reference_pass(self.source, [self.measurer], run.progress)
             t = self.measurer.timings
             modules, last, shares = m.measured(self.measurer)
-            self.detail.update(measurement_gptq=t.gptq, measurement_forward=t.forward)
+            self.detail.update(measurement_gptq=t.gptq, measurement_forward=t.forward,
+                               measurement_hessian=t.hessian)
+            self.measurement_layers = layer_seconds(self.measurer)
             self.meas = mfile.Measurement(modules, last, m.L, shares)
         shares = self.meas.content_share
         with run.stage("allocation"):
@@ -509,7 +521,8 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                    "objective_value": self.objective_value, "err_sum": sum(self.errs),
                    "err_max": max(self.errs), "head": head,
                    "calibration": {"rows": rows, "seqlen": seqlen}, "num_layers": L,
-                   "detail": {k: round(v, 2) for k, v in self.detail.items()}, "layers": layers}
+                   "detail": {k: round(v, 2) for k, v in self.detail.items()}, "layers": layers,
+                   "measurement_layers": self.measurement_layers}
         return Summary(self.kind, o.label, out, str(self.source.path),
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)

@@ -155,7 +155,7 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
             writer.add(tensors)
             self.records.extend(records)
 
-        lq = cgptq.LayerQuantizer(o.settings(), sm.layer_prefix, sink, after_step=trim_heap)
+        lq = cgptq.LayerQuantizer(o.settings(), sm.layer_prefix, sink)
         self.lq = lq
         with run.stage("layers"):
             if o.rtn:
@@ -164,7 +164,13 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
                     trim_heap()
             else:
                 rows = self.rows
-                engine.run(sm, rows, hooks_factory=lq.hooks, on_layer=lq.on_layer,
+
+                def on_layer(*args):
+                    y = lq.on_layer(*args)
+                    trim_heap()
+                    return y
+
+                engine.run(sm, rows, hooks_factory=lq.hooks, on_layer=on_layer,
                            batch_size=src.batch_rows(rows.shape[1]), progress=run.progress,
                            checkpoint=ckpt, state=WriterShare(writer, self.records, sm.layer_prefix, lq))
         self.resumed_at = first

@@ -52,7 +52,7 @@ eval = {{ ctx = 64, chunks = 2 }}
         text += f"""
 [[model]]
 source = "{qwen2}"
-gguf = ["Q8_0"]
+gguf = ["Q8_0", {{ policy = "Q4_0", imatrix = true }}]
 awq = [{{ group_size = 64 }}]
 gptq = [{{ group_size = 64, act_order = true }}]
 fp8 = [{{ scheme = "static" }}]
@@ -104,6 +104,17 @@ def test_outputs_equal_the_single_verbs(batch, tiny_llama_dir, second_dir, tmp_p
     produce(FP8Options(scheme="static"), src2, single / "q-fp8", progress=False)
     assert _digests(q / f"{second_dir.name}-GPTQ-w4g64-act") == _digests(single / "q-gptq")
     assert _digests(q / f"{second_dir.name}-FP8-static") == _digests(single / "q-fp8")
+    # gguf table with imatrix = true: the model's imatrix is made (no imatrix key needed) and
+    # the output is quantize gguf --imatrix of it, unlike the unweighted Q4_0
+    n2 = second_dir.name
+    make.imatrix(src2, single / "q.imatrix.gguf")
+    im = q / f"{n2}.imatrix.gguf"
+    assert im.read_bytes() == (single / "q.imatrix.gguf").read_bytes()
+    # (the same --imatrix path: llama-quantize records it in quantize.imatrix.file)
+    make.gguf(src2, single / "q-Q4_0-im.gguf", "Q4_0", imatrix=im)
+    make.gguf(src2, single / "q-Q4_0.gguf", "Q4_0")
+    got = (q / f"{n2}-Q4_0.gguf").read_bytes()
+    assert got == (single / "q-Q4_0-im.gguf").read_bytes() and got != (single / "q-Q4_0.gguf").read_bytes()
 
 
 def test_manifest_and_model_card(batch):
@@ -139,7 +150,7 @@ def test_rerun_keeps_finished_outputs(batch, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
     assert quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["status"] for r in rows} == {"kept"} and len(rows) == 11
+    assert {r["status"] for r in rows} == {"kept"} and len(rows) == 13
     after = {p.name: p.stat().st_mtime_ns for p in d.iterdir() if p.name not in ("manifest.json", "README.md")}
     assert all(after[k] == before[k] for k in after)
     # a damaged output is made again, the rest kept
@@ -170,7 +181,10 @@ BAD = [
     ("missing source", "[[model]]\ngguf = ['Q8_0']", r"model\[0\]: missing key 'source'"),
     ("source not a model", "[[model]]\nsource = '{tmp}'\ngguf = ['Q8_0']", "not a Hugging Face model directory"),
     ("bad policy", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = ['Q9_K']", r"model\[0\] \(m\): gguf\[0\]: --policy Q9_K: unknown"),
-    ("wrong type", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = 'Q8_0'", "gguf = 'Q8_0': expected a list of policy names"),
+    ("wrong type", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = 'Q8_0'", "gguf = 'Q8_0': expected a list of policy names or tables"),
+    ("gguf imatrix file", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = [{{ policy = 'Q4_0', imatrix = 'no.gguf' }}]", r"gguf\[0\]: imatrix = 'no.gguf': expected true \(this model's imatrix\) or the path"),
+    ("gguf table key", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = [{{ policy = 'Q4_0', pure = 1 }}]", r"gguf\[0\]: pure = 1: expected true/false"),
+    ("gguf filter alone", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = [{{ policy = 'Q4_0', include_weights = ['attn'] }}]", r"gguf\[0\]: --include-weights/--exclude-weights need --imatrix"),
     ("bad awq option", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ group_size = 0 }}]", r"awq\[0\]: --group-size 0: must be a positive"),
     ("unknown awq key", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ groups = 64 }}]", r"awq\[0\]: unknown key 'groups'; known keys: bits, group_size"),
     ("awq type", "[[model]]\nsource = '{src}'\nname = 'm'\nawq = [{{ clip = 'yes' }}]", r"awq\[0\]: clip = 'yes': expected true/false"),

@@ -9,7 +9,9 @@
     [[model]]
     source = "models/Llama-3.1-8B-Instruct"    # Hugging Face directory (relative: to the job file)
     name = "Llama-3.1-8B-Instruct"             # output prefix; default: the directory's name
-    gguf = ["Q4_K_M", "Q6_K", "Q8_0"]          # policies, as convert hf-to-gguf --policy
+    gguf = ["Q4_K_M", "Q6_K", "Q8_0"]          # policies, as convert hf-to-gguf --policy, or
+                                               # tables of its options: { policy = "IQ4_XS",
+                                               # imatrix = true } (true: this model's imatrix)
     imatrix = true                             # also <name>.imatrix.gguf (quantize imatrix)
     awq = [{ group_size = 128 }]               # each table: the options of quantize awq
     gptq = [{ group_size = 128 }]              # each table: the options of quantize gptq
@@ -46,6 +48,9 @@ MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "gptq", "fp8", "exl2",
 CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
 #: file name of the EXL2 measurement shared by a model's EXL2 outputs
 MEASUREMENT_FILE = "measurement.json"
+#: ``GGUFOptions.imatrix`` of a GGUF table with ``imatrix = true``: the model's own imatrix
+#: output, put in when it is finished (as ``--imatrix auto`` of the single verbs)
+BATCH_IMATRIX = "auto"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,12 @@ class OutputJob:
     target: str
     path: str
     options: Any
+
+    @property
+    def after_imatrix(self) -> bool:
+        """A GGUF output quantized with the model's own imatrix (``imatrix = true`` in its
+        table): made once the imatrix output is finished."""
+        return self.kind == "gguf" and self.options.imatrix == BATCH_IMATRIX
 
 
 @dataclass
@@ -147,7 +158,7 @@ def _load(path: Path) -> dict:
         raise InputError(f"{path}: not valid TOML: {e}") from None
 
 
-def _list_of(where: str, key: str, value: Any, kind: type, what: str) -> list:
+def _list_of(where: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> list:
     if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
         raise InputError(f"{where}: {key} = {value!r}: expected a list of {what}")
     return value
@@ -205,10 +216,13 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
 
     job = ModelJob(index, name, source, compute, calib)
     out = job.outputs
-    for i, policy in enumerate(_list_of(where, "gguf", e.get("gguf", []), str, "policy names")):
-        o = build_options(GGUFOptions, {"policy": policy}, f"{where}: gguf[{i}]")
-        out.append(OutputJob("gguf", policy, f"{name}-{policy}.gguf", o))
-    if _bool(where, "imatrix", e.get("imatrix", False)):
+    gguf = [_gguf_options(t, f"{where}: gguf[{i}]", base)
+            for i, t in enumerate(_list_of(where, "gguf", e.get("gguf", []), (str, dict),
+                                           "policy names or tables of hf-to-gguf options"))]
+    for o in gguf:
+        out.append(OutputJob("gguf", o.policy, f"{name}-{o.policy}.gguf", o))
+    weighted = any(o.imatrix == BATCH_IMATRIX for o in gguf)
+    if _bool(where, "imatrix", e.get("imatrix", weighted)) or weighted:
         out.append(OutputJob("imatrix", "imatrix", f"{name}.imatrix.gguf", ImatrixOptions()))
     for i, t in enumerate(_list_of(where, "awq", e.get("awq", []), dict, "tables")):
         o = build_options(AWQOptions, t, f"{where}: awq[{i}]")
@@ -254,6 +268,27 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
             raise InputError(f"{where}: two entries write the same output {name}/{o.path}")
         seen[o.path] = 1
     return job
+
+
+def _gguf_options(item: str | dict, where: str, base: Path) -> GGUFOptions:
+    """One entry of ``gguf``: a policy name, or a table of ``convert hf-to-gguf``'s options
+    where ``imatrix`` is true (the model's own imatrix, :data:`BATCH_IMATRIX`), false, or the
+    path of an imatrix file (relative: to the job file)."""
+    table = {"policy": item} if isinstance(item, str) else dict(item)
+    im = table.get("imatrix")
+    if isinstance(im, bool):
+        if im:
+            table["imatrix"] = BATCH_IMATRIX
+        else:
+            del table["imatrix"]
+    elif isinstance(im, str):
+        f = Path(im).expanduser()
+        f = f if f.is_absolute() else (base / f).resolve()
+        if im == BATCH_IMATRIX or not f.is_file():
+            raise InputError(f"{where}: imatrix = {im!r}: expected true (this model's imatrix) or "
+                             f"the path of an imatrix file")
+        table["imatrix"] = str(f)
+    return build_options(GGUFOptions, table, where)
 
 
 def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None) -> list[ModelJob]:

@@ -202,9 +202,20 @@ def run_model(plan: ModelPlan, progress: bool = True,
                      force=True, progress=progress, on_done=done, work=plan.dir / WORK,
                      work_key=model_key(job), log=log)
 
-    first = [o for o in plan.make if o.kind != "exl2"]
+    first = [o for o in plan.make if o.kind != "exl2" and not o.after_imatrix]
     if first:
         produce_all(first, [o.options for o in first])
+    weighted = [o for o in plan.make if o.after_imatrix]
+    if weighted:
+        im = next(o for o in job.outputs if o.kind == "imatrix")
+        entry = man.entries.get(im.path)
+        if entry is None or entry.get("roundtrip") != "ok":
+            err = InputError(f"{plan.dir / im.path}: the imatrix failed "
+                             f"({(entry or {}).get('error', 'not made')})")
+            for o in weighted:
+                emit(man.record(o, Outcome(o.options, plan.dir / o.path, error=err)))
+        else:
+            produce_all(weighted, [replace(o.options, imatrix=str(plan.dir / im.path)) for o in weighted])
     exl2 = [o for o in plan.make if o.kind == "exl2"]
     if exl2 and exl2[0].options.measurement is not None:  # exl2_measurement: reused as given
         produce_all(exl2, [o.options for o in exl2])
@@ -306,6 +317,8 @@ def plan_text(plans: list[ModelPlan]) -> str:
         stages = []
         if "gguf" in kinds:
             stages.append("GGUF policies from one read of each tensor")
+        if any(o.after_imatrix for o in p.make):
+            stages.append("GGUF policies with the model's imatrix, once it is made")
         shared = [k for k in ("imatrix", "awq", "measurement") if k in kinds
                   and not (k == "awq" and all(o.options.rtn for o in p.make if o.kind == "awq"))]
         if any(o.kind == "fp8" and o.options.scheme == "static" for o in p.make):

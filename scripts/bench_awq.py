@@ -25,9 +25,21 @@ against the whole model in float32 (513 MiB for SmolLM2). There is no reference 
 AutoAWQ 0.2.9 (deprecated) needs torch 2.6 / transformers 4.51 and a CUDA GPU
 (AutoAWQ 0.2.9's README and PyPI metadata).
 
+Side by side with llm-compressor (``--vs-llm-compressor``): for each size, ``quantize awq``
+with clipping and with ``--no-clip`` (each in a fresh process, ``--threads`` torch threads),
+then llm-compressor 0.14.0.1's AWQ (``AWQModifier`` + a 4-bit asymmetric group
+``QuantizationModifier``: llm-compressor has no clipping search) on the same token rows and
+the same threads, in its own cached environment (scripts/llmcompressor_ref.py, which says what
+it disables on a CPU-only torch: ``Tensor.pin_memory``, which its sequential pipeline calls).
+Printed per run: wall, user and system seconds of the quantization (llm-compressor:
+``oneshot`` alone; ours: the whole command, model reading, writing and round trip included),
+peak RSS, held-out PPL and mean KLD (the same chunks and formulas on both sides), and the
+ratios ours / llm-compressor.
+
 Usage::
 
     python scripts/bench_awq.py [--sizes 8x128,16x256] [--group-size 64] [--device cpu]
+    python scripts/bench_awq.py --vs-llm-compressor --sizes 16x256 [--threads 2] [--chunks 8]
 """
 from __future__ import annotations
 
@@ -48,16 +60,19 @@ sys.path.insert(0, sys.argv[1] + "/scripts")
 import tempfile
 from pathlib import Path
 from phase_memory import PhaseWatch, libraries_baseline, status
-from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, Source, produce
+from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, GPTQOptions, Source, produce
 base_anon = libraries_baseline(sys.argv[2])
 print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
 samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+spec, keep = json.loads(sys.argv[7]), sys.argv[8]
+kind = spec.pop("kind", "awq")
+opts = (AWQOptions if kind == "awq" else GPTQOptions)(group_size=gs, **spec)
 src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
              progress=False)
 w = PhaseWatch().start()
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
-    s = produce(AWQOptions(group_size=gs), src, Path(tmp) / "out", progress=False)
+    s = produce(opts, src, Path(keep or tmp) / "out", progress=False)
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
 cpu = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
        "minflt": r1.ru_minflt - r0.ru_minflt}
@@ -65,9 +80,14 @@ print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "cpu": cpu, *
 """
 
 
-def _run(model: Path, samples: int, seqlen: int, gs: int, device: str) -> dict:
+def _run(model: Path, samples: int, seqlen: int, gs: int, device: str, spec: dict | None = None,
+         keep: str = "", threads: int | None = None) -> dict:
+    """``produce`` of ``spec`` (``{"kind": "awq"|"gptq", **options}``; default AWQ) in a fresh
+    process: its summary, peak memory (``hwm``, ``peak_anon``, per phase) and CPU times."""
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(model), str(samples),
-                          str(seqlen), str(gs), device], stdout=subprocess.PIPE, text=True)
+                          str(seqlen), str(gs), device, json.dumps(spec or {}), keep],
+                         stdout=subprocess.PIPE, text=True, env=env)
     peak_anon = [0]
     stop = threading.Event()
 
@@ -119,6 +139,52 @@ def expected_layer_bytes(model: Path, tokens: int, group_size: int,
             "F": bt * (4 * f + 4 * h) * 4, "K": clip}
 
 
+#: our runs beside llm-compressor's, per method: (label, child spec)
+OURS = {"awq": [("quantpress", {"kind": "awq"}), ("quantpress --no-clip", {"kind": "awq", "clip": False})],
+        "gptq": [("quantpress", {"kind": "gptq"})]}
+
+
+def vs_llm_compressor(model: Path, sizes: list[tuple[int, int]], gs: int, threads: int,
+                      ctx: int, chunks: int, method: str = "awq") -> None:
+    """Ours (:data:`OURS`) and llm-compressor's ``method`` ("awq" or "gptq": 4-bit symmetric,
+    no activation order on both sides) on the same rows and threads: times, memory,
+    held-out quality and ratios (module docstring)."""
+    import tempfile
+
+    import llmcompressor_ref as ref
+    from quantpress.targets import ComputeOptions
+    from quantpress.targets.eval import EvalOptions, evaluate
+
+    ref.ensure_env()
+    held = ref.project_chunks(model, ctx, chunks)
+    print(f"model {model.name}, {method} w4 g{gs}, {threads} torch threads on both sides; "
+          f"evaluation {held.shape[0]} chunks x {ctx} tokens of the held-out split")
+    head = (f"{'calibration':>12} {'run':<26} {'wall s':>8} {'user s':>8} {'sys s':>7} {'sys %':>6} "
+            f"{'peak RSS':>9} {'PPL':>8} {'KLD':>8} {'wall ratio':>10}")
+    print(head)
+    for n, L in sizes:
+        rows = ref.project_rows(model, n, L)
+        theirs = ref.run(method, model, rows, held, group_size=gs, threads=threads,
+                         options={"actorder": None} if method == "gptq" else None)
+        res = []
+        for label, spec in OURS[method]:
+            with tempfile.TemporaryDirectory() as tmp:
+                r = _run(model, n, L, gs, "cpu", spec=spec, keep=tmp, threads=threads)
+                rep = evaluate(model, [Path(tmp) / "out"], EvalOptions(ctx=ctx, chunks=chunks),
+                               ComputeOptions(device="cpu"), progress=False)
+            m = rep.models[1]
+            res.append((label, r["cpu"]["wall_s"], r["cpu"]["user_s"],
+                        r["cpu"]["sys_s"], r["hwm"], m.ppl["ppl"], m.kl["kld_mean"]))
+        res.append((f"llm-compressor 0.14 {method}", theirs["wall_s"], theirs["user_s"], theirs["sys_s"],
+                    theirs["vmhwm_bytes"], theirs["ppl"], theirs["kld"]))
+        for name, wall, user, sys_s, peak, ppl, kld in res:
+            print(f"{n:>5} x {L:<5} {name:<26} {wall:>8.1f} {user:>8.1f} {sys_s:>7.1f} "
+                  f"{sys_s / wall:>6.1%} {peak / 2 ** 20:>7.0f} Mi {ppl:>8.4f} {kld:>8.5f} "
+                  f"{wall / theirs['wall_s']:>10.2f}", flush=True)
+        print(f"{'':>12} (base PPL {rep.models[0].ppl['ppl']:.4f} ours, {theirs['ppl_base']:.4f} "
+              f"llm-compressor's; llm-compressor on CPU: {theirs['patched']})")
+
+
 def main() -> None:
     from quantpress import assets
 
@@ -127,8 +193,18 @@ def main() -> None:
     ap.add_argument("--sizes", default="8x128,16x256", help="calibration rows x seqlen, comma-separated")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vs-llm-compressor", action="store_true",
+                    help="side by side with llm-compressor 0.14.0.1's AWQ (CPU)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides")
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation tokens per chunk")
+    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks")
     args = ap.parse_args()
     model = Path(args.model) if args.model else assets.smollm2_dir()
+    if args.vs_llm_compressor:
+        sys.path.insert(0, str(REPO / "scripts"))
+        sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
+        vs_llm_compressor(model, sizes, args.group_size, args.threads, args.ctx, args.chunks)
+        return
     mib = 1 / 2 ** 20
     print(f"model {model.name}, w4 g{args.group_size}, device {args.device}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")

@@ -25,8 +25,14 @@ decoder layer, and those times 30 layers (SmolLM2) in minutes.
 Run single-threaded on a shared machine (``OMP_NUM_THREADS=1``; the CPU path sets torch to
 one intra-op thread anyway).
 
+``--vs-llm-compressor``: instead, ``quantize gptq`` (w4, ``--group-size``, no act-order) beside
+llm-compressor 0.14.0.1's ``GPTQModifier`` (the same scheme, ``actorder=None``) on the same token
+rows and threads, as ``scripts/bench_awq.py --vs-llm-compressor`` does for AWQ (that script's
+docstring says what is timed and compared).
+
 Usage::
 
+    python scripts/bench_gptq.py --vs-llm-compressor [--sizes 16x256] [--group-size 64] [--threads 2]
     OMP_NUM_THREADS=1 python scripts/bench_gptq.py [--linears q_proj,down_proj] [--repeat 1]
         [--tokens 4096] [--device cpu] [--against 21d4784]
 """
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -119,7 +126,25 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="activation rows behind each Hessian")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--against", metavar="REV", help="also time gptq_quantize of quantize/gptq.py at this git revision")
+    ap.add_argument("--vs-llm-compressor", action="store_true",
+                    help="quantize gptq beside llm-compressor 0.14.0.1's GPTQ on SmolLM2 (CPU)")
+    ap.add_argument("--model", help="HF directory for --vs-llm-compressor (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--sizes", default="16x256", help="calibration rows x seqlen (--vs-llm-compressor)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides")
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation tokens per chunk")
+    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks")
     args = ap.parse_args()
+    if args.vs_llm_compressor:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import bench_awq
+        from quantpress import assets
+
+        model = Path(args.model) if args.model else assets.smollm2_dir()
+        sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
+        bench_awq.vs_llm_compressor(model, sizes, args.group_size, args.threads, args.ctx, args.chunks,
+                                    method="gptq")
+        return 0
     names = [n.strip() for n in args.linears.split(",") if n.strip()]
     bad = [n for n in names if n not in SMOL_LINEARS]
     if bad:

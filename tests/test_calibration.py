@@ -416,13 +416,15 @@ def test_dataset_folder_and_name(tmp_path, monkeypatch):
 
 
 def test_bound_heap_keeps_step_temporaries_until_the_layer_ends():
-    """After bound_heap(), a freed 12 MiB tensor stays on the heap for the next step to reuse
-    (no unmapping and faulting in again) until trim_heap() at the layer's end returns it; a
-    tensor above the mmap threshold leaves the process when freed."""
-    from quantpress.runtime import MMAP_THRESHOLD, bound_heap, trim_heap
+    """After bound_heap(), freed tensors below the mmap threshold stay on the heap for the
+    next step (or layer) to reuse instead of being unmapped and faulted in again; trim_heap()
+    at a layer's end returns them once more than TRIM_KEEP is free, and leaves a smaller
+    amount in place. A tensor above the mmap threshold that no free heap chunk holds is its
+    own mapping, returned when freed."""
+    from quantpress.runtime import MMAP_THRESHOLD, TRIM_KEEP, bound_heap, free_heap_bytes, trim_heap
 
-    if not bound_heap():
-        pytest.skip("not glibc, or MALLOC_*_THRESHOLD_ set: mallopt not applied")
+    if not bound_heap() or free_heap_bytes() is None:
+        pytest.skip("not glibc >= 2.33, or MALLOC_*_THRESHOLD_ set: mallopt not applied")
 
     def anon():
         for line in open("/proc/self/status"):
@@ -435,10 +437,16 @@ def test_bound_heap_keeps_step_temporaries_until_the_layer_ends():
         t = torch.ones(3 << 20)  # 12 MiB, touched
         del t
     kept = anon() - before
-    trim_heap()
-    assert kept >= 10 << 20 and anon() - before < 4 << 20
-    big = torch.ones(MMAP_THRESHOLD // 4 + (1 << 20))
+    trim_heap()  # 12 MiB free: below TRIM_KEEP, kept for the next layer
+    assert kept >= 10 << 20 and anon() - before >= 10 << 20
+    big = torch.ones(MMAP_THRESHOLD // 4 + (1 << 20))  # no free chunk that large: mapped
     del big
+    assert anon() - before - kept < 4 << 20
+    block = MMAP_THRESHOLD // 2
+    many = [torch.ones(block // 4) for _ in range(TRIM_KEEP // block + 2)]  # > TRIM_KEEP in all
+    del many
+    assert anon() - before > TRIM_KEEP
+    trim_heap()
     assert anon() - before < 4 << 20
 
 

@@ -65,25 +65,27 @@ base_anon = libraries_baseline(sys.argv[2])
 print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
 samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 spec, keep = json.loads(sys.argv[7]), sys.argv[8]
-kind = spec.pop("kind", "awq")
+kind, watch = spec.pop("kind", "awq"), spec.pop("watch", True)
 opts = (AWQOptions if kind == "awq" else GPTQOptions)(group_size=gs, **spec)
 src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
              progress=False)
-w = PhaseWatch().start()
+w = PhaseWatch().start() if watch else None
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
     s = produce(opts, src, Path(keep or tmp) / "out", progress=False)
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
 cpu = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
        "minflt": r1.ru_minflt - r0.ru_minflt}
-print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "cpu": cpu, **w.stop()}), flush=True)
+print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "cpu": cpu, **(w.stop() if w else {})}), flush=True)
 """
 
 
 def _run(model: Path, samples: int, seqlen: int, gs: int, device: str, spec: dict | None = None,
          keep: str = "", threads: int | None = None) -> dict:
     """``produce`` of ``spec`` (``{"kind": "awq"|"gptq", **options}``; default AWQ) in a fresh
-    process: its summary, peak memory (``hwm``, ``peak_anon``, per phase) and CPU times."""
+    process: its summary, peak memory (``hwm``, ``peak_anon``, per phase) and CPU times.
+    ``"watch": False`` in ``spec``: no RSS sampling (its 2 ms polling of /proc costs system
+    time), only VmHWM."""
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(model), str(samples),
                           str(seqlen), str(gs), device, json.dumps(spec or {}), keep],
@@ -103,7 +105,8 @@ def _run(model: Path, samples: int, seqlen: int, gs: int, device: str, spec: dic
             time.sleep(0.005)
 
     th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    if (spec or {}).get("watch", True):
+        th.start()
     base, result = None, None
     for line in p.stdout:
         if line.startswith("BASE "):
@@ -112,7 +115,8 @@ def _run(model: Path, samples: int, seqlen: int, gs: int, device: str, spec: dic
             result = json.loads(line[7:])
     p.wait()
     stop.set()
-    th.join()
+    if th.is_alive():
+        th.join()
     if p.returncode or result is None:
         raise SystemExit(f"child failed with exit code {p.returncode}")
     result["base"] = base
@@ -140,8 +144,9 @@ def expected_layer_bytes(model: Path, tokens: int, group_size: int,
 
 
 #: our runs beside llm-compressor's, per method: (label, child spec)
-OURS = {"awq": [("quantpress", {"kind": "awq"}), ("quantpress --no-clip", {"kind": "awq", "clip": False})],
-        "gptq": [("quantpress", {"kind": "gptq"})]}
+OURS = {"awq": [("quantpress", {"kind": "awq", "watch": False}),
+                ("quantpress --no-clip", {"kind": "awq", "clip": False, "watch": False})],
+        "gptq": [("quantpress", {"kind": "gptq", "watch": False})]}
 
 
 def vs_llm_compressor(model: Path, sizes: list[tuple[int, int]], gs: int, threads: int,

@@ -451,7 +451,6 @@ class Quantizer:
     sink: LayerSink
     prefix: str = "model.layers."
     timings: Timings = field(default_factory=Timings)
-    per_layer: list = field(default_factory=list)
     _col: HessianCapture | None = None
 
     def hooks(self, index: int, layer: nn.Module):

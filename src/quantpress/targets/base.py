@@ -667,11 +667,18 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
         fed = [e for e in fed if e[0].error is None]
         if fed:
             t0 = time.perf_counter()
+            names = {type(e[1]).reference_stage for e in fed}
+            stage = names.pop() if len(names) == 1 else Target.reference_stage
+            for f in STAGE_OBSERVERS:
+                f(stage, "start")
             try:
                 reference_pass(source, [c for c in consumers if c is not None], progress, ckpt)
             except Exception as e:
                 for oc, *_ in fed:
                     fail(oc, e)
+            finally:
+                for f in STAGE_OBSERVERS:
+                    f(stage, "end")
             dt = time.perf_counter() - t0
             for oc, target, run, _, _ in fed:
                 run.stages[type(target).reference_stage] = dt

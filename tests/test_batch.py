@@ -275,6 +275,30 @@ def test_a_failing_output_does_not_stop_the_batch(tmp_path, tiny_llama_dir, seco
     assert "**failed**" in (out / "a" / "README.md").read_text()
 
 
+def test_weighted_gguf_fails_with_its_imatrix(tmp_path, tiny_llama_dir, second_dir, monkeypatch, capsys):
+    """A GGUF table with imatrix = true waits for the model's imatrix: when that fails its
+    round trip, the GGUF output fails too, naming the imatrix, and nothing of either is left;
+    the unweighted GGUF of the same model is made."""
+    from quantpress.errors import RoundTripError
+    from quantpress.targets import imatrix as timatrix
+
+    def broken(*a, **k):
+        raise RoundTripError("round trip failed: injected")
+
+    monkeypatch.setattr(timatrix, "verify_imatrix", broken)
+    job = _two_models(tmp_path / "j.toml", tiny_llama_dir, second_dir,
+                      'gguf = ["Q8_0", { policy = "Q4_0", imatrix = true }]')
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out), "--quiet"]) == 3
+    m = json.loads((out / "b" / "manifest.json").read_text())
+    st = {o["path"]: (o["roundtrip"], o.get("error", "")) for o in m["outputs"]}
+    assert st["b-Q8_0.gguf"] == ("ok", "")
+    assert st["b.imatrix.gguf"] == ("failed", "round trip failed: injected")
+    assert st["b-Q4_0.gguf"][0] == "failed" and st["b-Q4_0.gguf"][1].startswith(
+        f"{out / 'b' / 'b.imatrix.gguf'}: the imatrix failed (round trip failed: injected)")
+    assert not (out / "b" / "b-Q4_0.gguf").exists() and not (out / "b" / "b.imatrix.gguf").exists()
+
+
 def _manifest_without_times(p: Path) -> dict:
     m = json.loads(p.read_text())
     for o in m["outputs"]:

@@ -202,33 +202,28 @@ def run_model(plan: ModelPlan, progress: bool = True,
                      force=True, progress=progress, on_done=done, work=plan.dir / WORK,
                      work_key=model_key(job), log=log)
 
+    def after(outs: list[OutputJob], path: str, what: str, key: str) -> None:
+        """Make ``outs`` with option ``key`` set to the finished output ``path`` (the
+        imatrix, the EXL2 measurement), or fail them all when it failed."""
+        entry = man.entries.get(path)
+        if entry is None or entry.get("roundtrip") != "ok":
+            err = InputError(f"{plan.dir / path}: {what} failed ({(entry or {}).get('error', 'not made')})")
+            for o in outs:
+                emit(man.record(o, Outcome(o.options, plan.dir / o.path, error=err)))
+        else:
+            produce_all(outs, [replace(o.options, **{key: str(plan.dir / path)}) for o in outs])
+
     first = [o for o in plan.make if o.kind != "exl2" and not o.after_imatrix]
     if first:
         produce_all(first, [o.options for o in first])
     weighted = [o for o in plan.make if o.after_imatrix]
     if weighted:
-        im = next(o for o in job.outputs if o.kind == "imatrix")
-        entry = man.entries.get(im.path)
-        if entry is None or entry.get("roundtrip") != "ok":
-            err = InputError(f"{plan.dir / im.path}: the imatrix failed "
-                             f"({(entry or {}).get('error', 'not made')})")
-            for o in weighted:
-                emit(man.record(o, Outcome(o.options, plan.dir / o.path, error=err)))
-        else:
-            produce_all(weighted, [replace(o.options, imatrix=str(plan.dir / im.path)) for o in weighted])
+        after(weighted, next(o.path for o in job.outputs if o.kind == "imatrix"), "the imatrix", "imatrix")
     exl2 = [o for o in plan.make if o.kind == "exl2"]
     if exl2 and exl2[0].options.measurement is not None:  # exl2_measurement: reused as given
         produce_all(exl2, [o.options for o in exl2])
     elif exl2:
-        meas = man.entries.get(MEASUREMENT_FILE)
-        if meas is None or meas.get("roundtrip") != "ok":
-            err = InputError(f"{plan.dir / MEASUREMENT_FILE}: the EXL2 measurement failed "
-                             f"({(meas or {}).get('error', 'not made')})")
-            for o in exl2:
-                emit(man.record(o, Outcome(o.options, plan.dir / o.path, error=err)))
-        else:
-            m = str(plan.dir / MEASUREMENT_FILE)
-            produce_all(exl2, [replace(o.options, measurement=m) for o in exl2])
+        after(exl2, MEASUREMENT_FILE, "the EXL2 measurement", "measurement")
     if job.eval is not None:
         _evaluate(plan, man, source, progress, emit)
     man.write()

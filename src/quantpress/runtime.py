@@ -120,44 +120,48 @@ def bound_heap() -> bool:
     return ok
 
 
-#: free heap memory that :func:`trim_heap` leaves in place (bytes): below it, returning the
-#: pages would only fault them in again at the next layer
+#: growth of the anonymous RSS since the last trim below which :func:`trim_heap` leaves the
+#: freed heap in place (bytes): returning it would only fault it in again at the next layer
 TRIM_KEEP = 256 << 20
+_LAST_TRIM: list[int] = []
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+def anon_rss() -> int | None:
+    """The process's anonymous resident memory (``RssAnon`` of /proc/self/status, bytes; None
+    where there is no such file)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
-def free_heap_bytes() -> int | None:
-    """Free bytes held by glibc's heaps, all arenas (``mallinfo2().fordblks``; None where
-    mallinfo2 is missing: not glibc, or glibc < 2.33)."""
-    lib = _libc()
-    f = getattr(lib, "mallinfo2", None) if lib is not None else None
-    if f is None:
-        return None
-    f.restype = _Mallinfo2
-    return int(f().fordblks)
-
-
-def trim_heap(*_args) -> None:
+def trim_heap(*_args, force: bool = False) -> None:
     """Give freed heap memory back to the system (glibc ``malloc_trim(0)``; a no-op elsewhere).
 
     Usable as the calibration engine's ``on_layer`` callback: the engine frees a layer's
     weights and temporaries at every step, but glibc keeps freed blocks below the mmap
     threshold on its heap (:func:`bound_heap` lets it keep up to 1 GiB at the top), so RSS
     would climb layer after layer although the live memory does not
-    (scripts/bench_calibration.py measures it). Trims only when more than :data:`TRIM_KEEP`
-    is free (:func:`free_heap_bytes`; always where that is unknown): a layer's temporaries
-    below it are reused by the next layer instead of being returned and faulted in again
-    (``quantize gptq`` of SmolLM2, 16 x 256 tokens: 1.4 million page faults and 10% of the
-    wall time in the kernel with a trim after every layer). Returns None (the engine keeps
-    the layer's outputs)."""
+    (scripts/bench_calibration.py measures it). Trims only when the anonymous RSS grew by more
+    than :data:`TRIM_KEEP` since the last trim (:func:`anon_rss`; always where that is
+    unknown): a layer's temporaries below it are reused by the next layer instead of being
+    returned and faulted in again (``quantize gptq`` of SmolLM2, 16 x 256 tokens: 1.4 million
+    page faults and 10% of the wall time in the kernel with a trim after every layer).
+    The reference point follows the RSS down (a freed mapping lowers it), so at most
+    :data:`TRIM_KEEP` of freed heap stays resident. ``force``: trim whatever the growth.
+    Returns None (the engine keeps the layer's outputs)."""
     lib = _libc()
-    if lib is not None:
-        free = free_heap_bytes()
-        if free is None or free > TRIM_KEEP:
-            lib.malloc_trim(0)
+    if lib is None:
+        return None
+    rss = anon_rss()
+    if _LAST_TRIM and rss is not None and rss < _LAST_TRIM[0]:
+        _LAST_TRIM[0] = rss
+    if force or rss is None or not _LAST_TRIM or rss - _LAST_TRIM[0] > TRIM_KEEP:
+        lib.malloc_trim(0)
+        after = anon_rss()
+        _LAST_TRIM[:] = [] if after is None else [after]
     return None

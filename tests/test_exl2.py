@@ -103,8 +103,26 @@ def measured(models, tmp_path_factory) -> Path:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(exl2_measure, "gptq_quantize_many", counting)
-        assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path)] + CAL) == 0
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path), "--json"]
+                                 + CAL) == 0
+    MEASURE_SUMMARY.update(json.loads(buf.getvalue()))
     return path
+
+
+MEASURE_SUMMARY: dict = {}
+
+
+def test_measurement_reports_seconds_per_layer(measured, models):
+    """The summary splits the measurement's time per decoder layer into GPTQ, forwards and
+    Hessian accumulation; the layers add up to the totals."""
+    d = MEASURE_SUMMARY["details"]
+    layers = d["measurement_layers"]
+    n = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
+    assert len(layers) == n and all(v[k] > 0 for v in layers for k in ("gptq", "forward", "hessian"))
+    for k in ("gptq", "forward", "hessian"):
+        assert abs(sum(v[k] for v in layers) - d["detail"][f"measurement_{k}"]) < 0.001 * n + 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,7 @@ def bound_heap() -> bool:
     threshold of twice it) or an 8 MiB threshold with a trim after every step spent 33 s of
     a 90 s run in the kernel (9.7 million page faults); 64 MiB and 1 GiB with one trim per
     layer: 1 s, 0.16 million faults, 15% less wall time, peak RSS 987 MiB instead of 903.
+    (``scripts/bench_awq.py --sizes 8x128`` prints system time and page faults.)
     The environment variables ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set
     the same and win when given."""
     lib = _libc()
@@ -150,7 +151,8 @@ def trim_heap(*_args, force: bool = False) -> None:
     than :data:`TRIM_KEEP` since the last trim (:func:`anon_rss`; always where that is
     unknown): a layer's temporaries below it are reused by the next layer instead of being
     returned and faulted in again (``quantize gptq`` of SmolLM2, 16 x 256 tokens: 1.4 million
-    page faults and 10% of the wall time in the kernel with a trim after every layer).
+    page faults and 10% of the wall time in the kernel with a trim after every layer;
+    ``scripts/bench_gptq.py --vs-llm-compressor`` prints the system time).
     The reference point follows the RSS down (a freed mapping lowers it), so at most
     :data:`TRIM_KEEP` of freed heap stays resident. ``force``: trim whatever the growth.
     Returns None (the engine keeps the layer's outputs)."""

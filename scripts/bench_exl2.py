@@ -37,7 +37,12 @@ here first), from these floating-point operation counts (T = calibration tokens,
     Hessians  2·T·K² per input set (q/k/v, o, gate/up, down)
     forwards  (1 + options) × 2·T·(module parameters), attention scores 4·T·seqlen·heads·head_dim
     GPTQ      N·K² per linear [N, K] and distinct setting (the blocked error updates
-              W[:, j:] −= E·H⁻¹[b, j:], summed over the blocks)
+              W[:, j:] −= E·H⁻¹[b, j:], summed over the blocks), rated over GPTQ's time
+              without its scale searches
+
+The scale searches (exllamav2's ``quantize_err_kernel``: every weight of a group at 97 scales,
+about ten elementwise passes each) are not matrix work; their seconds, share of GPTQ and rate
+in weight × grid-point evaluations per second are printed beside.
 
 exllamav2 0.3.2 itself needs a CUDA GPU (its extension has no CPU path), so the side-by-side
 run is for a machine with one (``--device cuda``; exllamav2's ``convert.py`` on the same
@@ -125,6 +130,7 @@ def measurement_flops(model: Path, samples: int, seqlen: int) -> dict[str, float
     """Floating-point operations of one decoder layer's measurement, by part (module
     docstring)."""
     from quantpress.quantize import exl2 as qexl2
+    from quantpress.quantize.gptq import P_GRID
 
     cfg = json.loads((model / "config.json").read_text())
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
@@ -140,31 +146,40 @@ def measurement_flops(model: Path, samples: int, seqlen: int) -> dict[str, float
         + 4 * T * seqlen * heads * hd
     mlp_fwd = 2 * T * sum(n * k for name, (n, k) in shapes.items() if name in mlp[0])
     fwd = (1 + len(attn)) * attn_fwd + (1 + len(mlp)) * mlp_fwd
-    gptq = 0
+    gptq = search = 0
     for opts in (attn, mlp):
         for name in opts[0]:
             n, k = shapes[name]
             gptq += len({repr(o[name]) for o in opts}) * n * k * k
-    return {"gptq": gptq, "forward": fwd, "hessian": hess}
+            search += len({repr(o[name]) for o in opts}) * n * k * (P_GRID + 1)
+    return {"gptq": gptq, "forward": fwd, "hessian": hess, "search": search}
 
 
 def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> None:
-    """Seconds per part for a few decoder layers and the sum, and each part's rate as a
-    fraction of ``mm`` (flop/s)."""
+    """Seconds per part for a few decoder layers and the sum; each matrix part's rate as a
+    fraction of ``mm`` (flop/s), GPTQ's without its scale searches (elementwise work, rated in
+    weight × grid-point evaluations per second)."""
     layers = r["details"]["measurement_layers"]
-    parts = ("gptq", "forward", "hessian")
-    print(f"{'layer':>6} " + " ".join(f"{p:>9}" for p in parts) + "  (seconds)")
+    cols = ("gptq", "search", "forward", "hessian")
+    print(f"{'layer':>6} " + " ".join(f"{p:>9}" for p in cols) + "  (seconds; search is part of gptq)")
     show = sorted({0, 1, len(layers) // 2, len(layers) - 1})
     for i in show:
-        print(f"{i:>6} " + " ".join(f"{layers[i][p]:>9.2f}" for p in parts))
-    tot = {p: sum(x[p] for x in layers) for p in parts}
-    print(f"{'all':>6} " + " ".join(f"{tot[p]:>9.2f}" for p in parts))
+        print(f"{i:>6} " + " ".join(f"{layers[i][p]:>9.2f}" for p in cols))
+    tot = {p: sum(x[p] for x in layers) for p in cols}
+    print(f"{'all':>6} " + " ".join(f"{tot[p]:>9.2f}" for p in cols))
     n = len(layers)
-    rates = {p: flops[p] * n / max(tot[p], 1e-9) for p in parts}
-    all_rate = sum(flops.values()) * n / max(sum(tot.values()), 1e-9)
+    secs = {"gptq": tot["gptq"] - tot["search"], "forward": tot["forward"], "hessian": tot["hessian"]}
+    rates = {p: flops[p] * n / max(secs[p], 1e-9) for p in secs}
+    mat = sum(flops[p] for p in secs) * n
     print(f"torch.mm 2048² float32 here: {mm / 1e9:.1f} GFLOP/s; measurement's matrix work: "
-          + ", ".join(f"{p} {rates[p] / 1e9:.1f} GFLOP/s ({rates[p] / mm:.2f})" for p in parts)
-          + f"; all {all_rate / 1e9:.1f} GFLOP/s = {all_rate / mm:.2f} of torch.mm")
+          + ", ".join(f"{p} {rates[p] / 1e9:.1f} GFLOP/s ({rates[p] / mm:.2f})" for p in secs)
+          + f" (GPTQ without its scale searches); all {mat / sum(secs.values()) / 1e9:.1f} "
+          f"GFLOP/s = {mat / sum(secs.values()) / mm:.2f} of torch.mm; with the scale searches' "
+          f"time {mat / (tot['gptq'] + tot['forward'] + tot['hessian']) / mm:.2f}")
+    print(f"scale searches: {tot['search']:.1f} s = {tot['search'] / max(tot['gptq'], 1e-9):.0%} "
+          f"of GPTQ, {flops['search'] * n / max(tot['search'], 1e-9) / 1e9:.2f} G weight x grid "
+          f"evaluations/s (each ~10 elementwise passes; counted per setting, though settings with the "
+          f"same first group share its search)")
 
 
 def main() -> None:

@@ -419,17 +419,19 @@ def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir)
 
 
 def test_killed_gptq_pass_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
-    """SIGKILL after layer 1 of a GPTQ pass: the re-run goes on from layer 2 and the output
-    equals the single verb's byte for byte."""
+    """SIGKILL after the last layer of a GPTQ pass (the checkpoint is kept until the output is
+    verified and installed): the re-run restores the three layers, runs none, and the output
+    equals the single verb's byte for byte; the work directory is gone after it."""
     job = _one_model_job(tmp_path / "j.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
     out = tmp_path / "out"
-    p = _batch_process(job, out, "m-GPTQ-w4g64:1")
+    p = _batch_process(job, out, "m-GPTQ-w4g64:2")
     assert p.returncode == -9, p.stderr[-2000:]
-    assert json.loads((out / "m" / ".work" / "m-GPTQ-w4g64.ckpt" / "done.json").read_text()) == {"layer": 1}
+    assert json.loads((out / "m" / ".work" / "m-GPTQ-w4g64.ckpt" / "done.json").read_text()) == {"layer": 2}
     p = _batch_process(job, out)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "m-GPTQ-w4g64: resuming at layer 2 (layers 0-1 kept" in p.stderr
-    assert [(r["status"], r["resumed_at"]) for r in json.loads(p.stdout)] == [("made", 2)]
+    assert "m-GPTQ-w4g64: resuming at layer 3 (layers 0-2 kept" in p.stderr
+    assert [(r["status"], r["resumed_at"]) for r in json.loads(p.stdout)] == [("made", 3)]
+    assert not (out / "m" / ".work").exists()
     produce(GPTQOptions(group_size=64), make.source(three_layer_dir, samples=2, seqlen=32),
             tmp_path / "single", progress=False)
     assert _digests(out / "m" / "m-GPTQ-w4g64") == _digests(tmp_path / "single")

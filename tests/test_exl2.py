@@ -115,13 +115,15 @@ MEASURE_SUMMARY: dict = {}
 
 
 def test_measurement_reports_seconds_per_layer(measured, models):
-    """The summary splits the measurement's time per decoder layer into GPTQ, forwards and
-    Hessian accumulation; the layers add up to the totals."""
+    """The summary splits the measurement's time per decoder layer into GPTQ (and the scale
+    searches inside it), forwards and Hessian accumulation; the layers add up to the totals."""
     d = MEASURE_SUMMARY["details"]
     layers = d["measurement_layers"]
     n = json.loads((models["llama"] / "config.json").read_text())["num_hidden_layers"]
-    assert len(layers) == n and all(v[k] > 0 for v in layers for k in ("gptq", "forward", "hessian"))
-    for k in ("gptq", "forward", "hessian"):
+    parts = ("gptq", "forward", "hessian", "search")
+    assert len(layers) == n and all(v[k] > 0 for v in layers for k in parts)
+    assert all(v["search"] < v["gptq"] for v in layers)
+    for k in parts:
         assert abs(sum(v[k] for v in layers) - d["detail"][f"measurement_{k}"]) < 0.001 * n + 1e-6
 
 

@@ -6,7 +6,10 @@
   later rows at once, no blocking; same :func:`find_params`), the codes agree on ≥ 99% of the
   entries and the output error ‖(W − Wq)X‖ is within 1%; the same bounds reject the reference
   with its error feedback removed or with scales taken from the unupdated rows;
-* (c) bad input raises ValueError naming the problem.
+* (c) bad input raises ValueError naming the problem;
+* (d) one :func:`hessian_factor` shared by several calls and linears gives the results of
+  passing the Hessian, and the scale search's threaded passes leave its sums (and so the
+  chosen scales) as single-threaded.
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import torch
 
 from quantpress.quantize import exl2
 from quantpress.quantize.exl2 import QParams
-from quantpress.quantize.gptq import PERCDAMP, find_params, gptq_quantize, gptq_quantize_many
+from quantpress.quantize.ggml.common import single_threaded_ops
+from quantpress.quantize.gptq import (PERCDAMP, find_params, gptq_quantize, gptq_quantize_many,
+                                      hessian_factor, scale_search_error)
 
 #: (b): least share of codes equal to the reference's, and largest relative difference of the
 #: output error. float32 (ours) against float64 (reference) error accumulation moves W[c]/s by
@@ -204,3 +209,52 @@ def test_cuda_many():
         cpu = gptq_quantize(w, h, qp)
         # CUDA and CPU round differently in places: nearly all codes agree
         assert (r.qweight.cpu() == cpu.qweight).double().mean().item() > 0.99, str(qp)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) what the measurement shares: one Hessian factor, the cores in the scale search
+# ---------------------------------------------------------------------------------------------
+
+def test_shared_hessian_factor_equals_the_hessian():
+    # q/k/v share one Hessian in the EXL2 measurement: one factor for linears of different
+    # widths and for every batch of settings gives the results of passing the Hessian each time
+    qps = list(dict.fromkeys(opt["k_proj"] for opt in exl2.attn_options()))[:5]
+    _, h, w = _data(256, 160, 1024, 6)
+    fac = hessian_factor(h, 256)
+    assert fac.upper is not None and fac.perm.tolist() == torch.argsort(
+        torch.diagonal(h), descending=True, stable=True).tolist()
+    for ww in (w, w[:64].flip(0).contiguous()):
+        for part in (qps[:2], qps[2:]):
+            for r, ref in zip(gptq_quantize_many(ww, fac, part), gptq_quantize_many(ww, h, part)):
+                assert _same(r, ref), str(r.qparams)
+    rtn = hessian_factor(h, 256, rtn=True)
+    assert rtn.upper is None
+    assert _same(gptq_quantize(w, rtn, qps[0], rtn=True), gptq_quantize(w, h, qps[0], rtn=True))
+    with pytest.raises(ValueError, match=r"factor \(K=256.*does not fit weight \[160, 288\]"):
+        gptq_quantize(torch.zeros(160, 288, dtype=torch.float16), fac, qps[0])
+    with pytest.raises(ValueError, match="factor absent"):
+        gptq_quantize(w, rtn, qps[0])
+    with pytest.raises(ValueError, match="percdamp 0.12"):
+        gptq_quantize(w, fac, qps[0], percdamp=0.05)
+    with pytest.raises(ValueError, match=r"Hessian shape \(255, 255\), expected \(256, 256\)"):
+        hessian_factor(h[1:, 1:], 256)
+
+
+def test_scale_search_threads_leave_the_sums_alone():
+    # 128 x 4096 = 2^19 elements: one grid point per chunk, the case where a sum split over
+    # two threads rounds differently. The threaded elementwise passes inside
+    # single_threaded_ops give the single-threaded E(p) bit for bit.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(128, 4096, generator=g) * 0.02
+    cand = x.abs().amax(dim=0) / 7.5
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = scale_search_error(x, cand, 4)
+        with single_threaded_ops():
+            assert torch.equal(scale_search_error(x, cand, 4, threads=2), ref)
+        torch.set_num_threads(2)
+        threaded = scale_search_error(x, cand, 4)     # sums split over threads too
+    finally:
+        torch.set_num_threads(saved)
+    assert not torch.equal(threaded, ref)

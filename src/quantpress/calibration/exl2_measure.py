@@ -56,7 +56,7 @@ from quantpress.calibration.exl2_measurement import layer_key
 from quantpress.calibration.stats import StatsCollector
 from quantpress.quantize import exl2 as qexl2
 from quantpress.errors import InputError
-from quantpress.quantize.gptq import gptq_quantize, gptq_quantize_many
+from quantpress.quantize.gptq import HessianFactor, gptq_quantize, gptq_quantize_many, hessian_factor
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -240,17 +240,20 @@ def linear_bits(qp: qexl2.QParams, lin: nn.Linear) -> int:
 
 @dataclass
 class Timings:
-    """Wall seconds spent in GPTQ (``gptq``), in module forwards (``forward``: the reference
-    and the candidate settings' outputs) and in accumulating the Hessians XᵀX (``hessian``,
-    inside the reference forward's hooks)."""
+    """Wall seconds spent in GPTQ (``gptq``; ``search`` of it in the scale searches,
+    :func:`quantize.gptq.find_params`: elementwise work, the rest is the row loop and the
+    blocked error updates), in module forwards (``forward``: the reference and the candidate
+    settings' outputs) and in accumulating the Hessians XᵀX (``hessian``, inside the reference
+    forward's hooks)."""
 
     gptq: float = 0.0
     forward: float = 0.0
     hessian: float = 0.0
+    search: float = 0.0
 
     def minus(self, other: "Timings") -> "Timings":
         """The seconds added since ``other`` was copied (a per-layer share)."""
-        return Timings(self.gptq - other.gptq, self.forward - other.forward, self.hessian - other.hessian)
+        return Timings(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,6 +346,7 @@ class Measurer:
         full = {n: f"{self.prefix}{index}.{mode}.{n}" for n in names}
         w16 = {n: fp16_weight(lins[n], full[n]) for n in names}
         H = {n: col.hessian(f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows) for n in names}
+        factors: dict[str, HessianFactor] = {}      # one per Hessian, shared by its linears
         last_use: dict[tuple[str, qexl2.QParams], int] = {}
         order: dict[str, list[qexl2.QParams]] = {n: [] for n in names}  # first-use order
         for j, opt in enumerate(opts):
@@ -366,8 +370,15 @@ class Measurer:
                         t0 = time.perf_counter()
                         qps = order[n][done[n]:done[n] + per_call[n]]
                         assert qps[0] == opt[n]
-                        for q, r in zip(qps, gptq_quantize_many(w16[n], H[n], qps)):
+                        if HESSIAN_OF[n] not in factors:
+                            factors[HESSIAN_OF[n]] = hessian_factor(H[n], H[n].shape[0],
+                                                                    w16[n].device)
+                        fac = factors[HESSIAN_OF[n]]
+                        many = gptq_quantize_many(w16[n], fac, qps)
+                        for q, r in zip(qps, many):
                             cache[(n, q)] = r.weight
+                        self.timings.search += many[0].search_seconds
+                        del many
                         done[n] += len(qps)
                         self.timings.gptq += time.perf_counter() - t0
                     lins[n].weight.data = cache[key].to(orig[n].dtype)
@@ -470,11 +481,17 @@ class Quantizer:
     def _quantize_linears(self, index: int, layer: nn.Module, mode: str, col: HessianCapture,
                           tensors: dict, records: list) -> None:
         qps = self._options(index, mode)
+        factors: dict[str, HessianFactor] = {}      # one per Hessian, shared by its linears
         for n in MODULES[mode]:
             lin = linear_of(layer, mode, n, index)
             full = f"{self.prefix}{index}.{mode}.{n}"
-            H = col.hessian(f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows)
-            records.append(quantize_linear(lin, full, H, qps[n], tensors, self.timings))
+            if HESSIAN_OF[n] not in factors:
+                t0 = time.perf_counter()
+                H = col.hessian(f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows)
+                factors[HESSIAN_OF[n]] = hessian_factor(H, H.shape[0], lin.weight.device)
+                self.timings.gptq += time.perf_counter() - t0
+            records.append(quantize_linear(lin, full, factors[HESSIAN_OF[n]], qps[n], tensors,
+                                           self.timings))
 
     @torch.no_grad()
     def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
@@ -550,15 +567,16 @@ def _rel_rmse(wq: torch.Tensor, w: torch.Tensor, rows: int = 4096) -> float:
     return float((num / den.clamp_min(1e-60)).sqrt())
 
 
-def quantize_linear(lin: nn.Linear, name: str, H: torch.Tensor, qp: qexl2.QParams, tensors: dict,
-                    timings: Timings | None = None, rtn: bool = False) -> LinearRecord:
-    """GPTQ-quantize ``lin`` (module ``name``) with Hessian ``H`` float32 [K, K] and ``qp``;
+def quantize_linear(lin: nn.Linear, name: str, H: torch.Tensor | HessianFactor, qp: qexl2.QParams,
+                    tensors: dict, timings: Timings | None = None, rtn: bool = False) -> LinearRecord:
+    """GPTQ-quantize ``lin`` (module ``name``) with Hessian ``H`` float32 [K, K] (or its
+    :func:`quantize.gptq.hessian_factor` on the weight's device) and ``qp``;
     set its weight to the fake-quantized one (in place, in its dtype) and add the packed EXL2
     tensors ``name.q_weight`` … ``name.q_invperm`` (+ ``name.bias`` float16) to ``tensors``
     on CPU. Returns its :class:`LinearRecord`."""
     t0 = time.perf_counter()
     w16 = fp16_weight(lin, name)
-    res = gptq_quantize(w16, H.to(w16.device), qp, rtn=rtn)
+    res = gptq_quantize(w16, H if isinstance(H, HessianFactor) else H.to(w16.device), qp, rtn=rtn)
     bias = None if lin.bias is None else lin.bias.detach().to(torch.float16)
     for k, v in res.pack(bias).items():
         tensors[f"{name}.{k}"] = v.cpu()
@@ -568,4 +586,5 @@ def quantize_linear(lin: nn.Linear, name: str, H: torch.Tensor, qp: qexl2.QParam
     lin.weight.data = res.weight.to(lin.weight.dtype)
     if timings is not None:
         timings.gptq += time.perf_counter() - t0
+        timings.search += res.search_seconds
     return rec

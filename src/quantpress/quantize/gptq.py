@@ -15,13 +15,15 @@ per-group fp16 maximum.
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from quantpress.quantize.exl2 import Group, QParams, pack
-from quantpress.quantize.ggml.common import single_threaded_ops
+from quantpress.quantize.ggml.common import intra_op_threads, single_threaded_ops
 
 #: Damping added to diag(H), as a fraction of its mean (exllamav2 ``percdamp``).
 PERCDAMP = 0.12
@@ -50,7 +52,9 @@ class GPTQResult:
     ``invperm``    int64 [K]: argsort(perm), stored as q_invperm;
     ``weight``     float16 [N, K]: fake-quantized weight (deq[invperm].T), which equals
                    :func:`quantize.exl2.reconstruct` of the packed tensors bit for bit;
-    ``qparams``, ``groups``: the settings and the group layout along the act-order rows.
+    ``qparams``, ``groups``: the settings and the group layout along the act-order rows;
+    ``search_seconds``: wall seconds of the call's scale searches (:func:`find_params`; the
+    same for every result of one :func:`gptq_quantize_many` call; on CUDA the launch time).
     """
 
     qweight: torch.Tensor
@@ -61,6 +65,7 @@ class GPTQResult:
     weight: torch.Tensor
     qparams: QParams
     groups: list[Group]
+    search_seconds: float = 0.0
 
     def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """EXL2 tensors {q_weight, q_scale, q_scale_max, q_groups, q_invperm[, bias]}; see
@@ -109,7 +114,7 @@ def p_grid(device: torch.device | str | None = None) -> torch.Tensor:
 
 
 def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
-                       grid: torch.Tensor | None = None) -> torch.Tensor:
+                       grid: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """E(p) = Σ_{rows,n} |clamp(rint(x/(cand·p)), −2^(b−1), 2^(b−1)−1)·cand·p − x|^3.5 for every
     p of the grid (exllamav2 0.3.2 ``quantize_err_kernel``).
 
@@ -117,6 +122,11 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
     (default :func:`p_grid`). Returns float32 [P]. Vectorized over p, rows and columns at
     once, in p-chunks of at most 2^19 elements on CPU, 2^23 on other devices (each E(p) is
     summed whole inside one chunk, so the chunking does not change it).
+
+    ``threads``: torch intra-op threads for the elementwise passes on CPU (None: the count in
+    effect); the sums run with the count in effect, so a caller inside
+    :func:`~quantpress.quantize.ggml.common.single_threaded_ops` gets sums that do not depend
+    on the machine's cores while the passes (90% of the time) use them all.
     """
     if grid is None:
         grid = p_grid(x.device)
@@ -129,21 +139,25 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
     t_buf = torch.empty_like(e_buf)
     out = torch.empty(P, dtype=torch.float32, device=x.device)
     xb = x[None]
+    if x.device.type != "cpu":
+        threads = None
     for i in range(0, P, per):
         p = grid[i:i + per]
         m = p.numel()
         s = cand[None, None, :] * p[:, None, None]                   # [m, 1, N]
         e = e_buf[:m * rn].view(m, *x.shape)
-        torch.div(xb, s, out=e)
-        e.round_().clamp_(-z, z - 1.0).mul_(s).sub_(xb).abs_()
         e35 = t_buf[:m * rn].view(m, *x.shape)
-        torch.mul(e, e, out=e35)
-        e35.mul_(e).mul_(e.sqrt_())                                   # |err|^3.5
+        with intra_op_threads(threads):
+            torch.div(xb, s, out=e)
+            e.round_().clamp_(-z, z - 1.0).mul_(s).sub_(xb).abs_()
+            torch.pow(e, 3, out=e35)                                  # = e·e·e, bit for bit
+            e35.mul_(e.sqrt_())                                       # |err|^3.5
         torch.sum(e35, dim=(1, 2), out=out[i:i + m])
     return out
 
 
-def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def find_params(x: torch.Tensor, bits: int,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale parameters of one group (exllamav2 0.3.2 ``AdaptiveQuantizer.find_params``).
 
     ``x`` float32 [rows, N]: the group's current (error-updated) rows. Returns
@@ -155,6 +169,8 @@ def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
       :func:`scale_search_error` over the candidates ``(qscale/16)²·smax``;
     * ``scale`` float16 [N]: the effective scale ``fp16(qscale²) × fp16(qscale_max × 1/256)``
       (fp16 multiplies), the one the codes are made with and the kernel dequantizes with.
+
+    ``threads``: intra-op threads of the search's elementwise passes (:func:`scale_search_error`).
     """
     maxq = (1 << bits) - 1
     xmax = x.abs().amax(dim=0) + 1e-12
@@ -163,11 +179,51 @@ def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     qs = torch.clamp(torch.round(torch.sqrt(base / smax) * 16.0), 1.0, 16.0)
     cand = (qs / 16.0) ** 2 * smax
     grid = p_grid(x.device)
-    best = torch.argmin(scale_search_error(x, cand, bits, grid))
+    best = torch.argmin(scale_search_error(x, cand, bits, grid, threads))
     qscale_max = (smax * grid[best]).to(torch.float16)
     prescale = torch.tensor(1.0 / 256, dtype=torch.float16, device=x.device)
     scale = (qs * qs).to(torch.float16) * (qscale_max * prescale)
     return qs.to(torch.uint8), qscale_max, scale
+
+
+@dataclass
+class HessianFactor:
+    """What every setting quantized against one Hessian shares (:func:`hessian_factor`):
+    ``perm``, ``invperm`` int64 [K] (act-order and its inverse); ``upper`` float32 [K, K],
+    the upper Cholesky factor U of the damped inverse Hessian in act-order (None when made
+    for round-to-nearest only); ``percdamp`` the damping it was made with."""
+
+    perm: torch.Tensor
+    invperm: torch.Tensor
+    upper: torch.Tensor | None
+    percdamp: float
+
+
+def hessian_factor(hessian: torch.Tensor | None, K: int, device: torch.device | str = "cpu",
+                   percdamp: float = PERCDAMP, rtn: bool = False) -> HessianFactor:
+    """Act-order permutation and inverse-Hessian factor of a [*, K] linear's Hessian, made once
+    for every setting and every linear that shares it (the EXL2 measurement: q/k/v share one
+    Hessian, gate/up another, each with ~14 settings in several calls).
+
+    ``hessian`` float [K, K] = mean of XᵀX (None: identity), moved to ``device``; ``rtn``: no
+    factor (round-to-nearest needs only the permutation). Steps of exllamav2 0.3.2
+    ``AdaptiveGPTQ.prepare`` (:func:`act_order`, :func:`hessian_inverse_factor`), single-threaded
+    on CPU as in :func:`gptq_quantize`. Raises ValueError for a wrong shape, NaN/Inf or a
+    Hessian that cannot be factored.
+    """
+    if hessian is None:
+        H = torch.eye(K, dtype=torch.float32, device=device)
+    else:
+        if tuple(hessian.shape) != (K, K):
+            raise ValueError(f"gptq_quantize: Hessian shape {tuple(hessian.shape)}, expected "
+                             f"({K}, {K}) for weight [*, {K}]")
+        H = hessian.to(device=device, dtype=torch.float32)
+        if not bool(torch.isfinite(H).all()):
+            raise ValueError("gptq_quantize: Hessian has NaN or Inf values")
+    with single_threaded_ops() if H.device.type == "cpu" else contextlib.nullcontext():
+        perm = act_order(H)
+        upper = None if rtn else hessian_inverse_factor(H[perm][:, perm], percdamp)
+    return HessianFactor(perm=perm, invperm=torch.argsort(perm), upper=upper, percdamp=percdamp)
 
 
 #: Rows per GPTQ block (lazy batch): the rows of a block are quantized one by one with updates
@@ -176,13 +232,15 @@ def find_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
 BLOCK = 32
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, qparams: QParams, *,
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | None,
+                  qparams: QParams, *,
                   rtn: bool = False, percdamp: float = PERCDAMP) -> GPTQResult:
     """Quantize one linear to EXL2 with GPTQ and act-order (exllamav2 0.3.2 ``AdaptiveGPTQ``).
 
     ``weight`` [N, K] (out_features, in_features), fp16/bf16/fp32, any device; ``hessian``
     float [K, K] = mean over calibration rows of XᵀX (None: identity, as exllamav2 does
-    without data), moved to the weight's device; ``qparams`` the bit widths and groups.
+    without data), moved to the weight's device, or its :func:`hessian_factor` made on that
+    device with the same ``percdamp``; ``qparams`` the bit widths and groups.
 
     Steps (exllamav2 0.3.2 ``AdaptiveGPTQ.prepare`` + ``quantize``): act-order permutation by
     descending diag(H); damping and :func:`hessian_inverse_factor` (U, upper triangular);
@@ -208,12 +266,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None, qparams: Q
     On CPU the ops run with one intra-op thread (torch's setting is restored afterwards), as
     quantize/ggml's codecs do: the thousands of small sequential ops of the GPTQ loop stall in
     OpenMP spin-waits otherwise (a 2048x2048 layer: 5 s single-threaded, 23 s with 2 threads
-    on a busy 2-core machine).
+    on a busy 2-core machine). The scale searches' elementwise passes (2^19-element chunks,
+    most of the time) get the thread count in effect before; their sums stay single-threaded,
+    so the chosen scales do not depend on it (:func:`scale_search_error`).
     """
     return _run(weight, hessian, [qparams], rtn, percdamp)[0]
 
 
-def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
+def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | None,
                        qparams_list: Sequence[QParams], *,
                        percdamp: float = PERCDAMP) -> list[GPTQResult]:
     """Quantize one linear under S settings at once: ``[gptq_quantize(weight, hessian, qp)
@@ -221,7 +281,8 @@ def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
     linear under each of its ~14 distinct settings: exllamav2 0.3.2 ``conversion/measure.py``).
 
     ``weight`` [N, K] (fp16/bf16/fp32, any device), ``hessian`` float [K, K] or None
-    (identity), ``qparams_list`` S ≥ 1 :class:`QParams` (duplicates allowed; each gets its
+    (identity) or its :func:`hessian_factor` (made once for every call that shares it),
+    ``qparams_list`` S ≥ 1 :class:`QParams` (duplicates allowed; each gets its
     own result). Returns S :class:`GPTQResult`, in the order of ``qparams_list``.
 
     Shared by all settings: the act-order permutation and the factor U of the damped inverse
@@ -240,7 +301,7 @@ def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
     Memory: about K·S·N·11 bytes (float32 W, float32 block error, fp16 deq, uint8 codes) plus
     the S results. Raises ValueError for an empty list, a group that does not start on a
     multiple of 32 rows, bad shapes, non-finite input or a Hessian that cannot be factored.
-    CPU ops run single-threaded, as in :func:`gptq_quantize`.
+    CPU ops run single-threaded but for the scale searches' passes, as in :func:`gptq_quantize`.
     """
     qps = list(qparams_list)
     if not qps:
@@ -248,17 +309,19 @@ def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | None,
     return _run(weight, hessian, qps, False, percdamp)
 
 
-def _run(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QParams], rtn: bool,
-         percdamp: float) -> list[GPTQResult]:
-    """:func:`_gptq_many`, with single-threaded ops on CPU."""
+def _run(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | None, qps: list[QParams],
+         rtn: bool, percdamp: float) -> list[GPTQResult]:
+    """:func:`_gptq_many`, with single-threaded ops on CPU except the scale search's
+    elementwise passes, which get the thread count in effect before."""
     if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
-        with single_threaded_ops():
-            return _gptq_many(weight, hessian, qps, rtn, percdamp)
-    return _gptq_many(weight, hessian, qps, rtn, percdamp)
+        with single_threaded_ops() as threads:
+            return _gptq_many(weight, hessian, qps, rtn, percdamp, threads)
+    return _gptq_many(weight, hessian, qps, rtn, percdamp, None)
 
 
-def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QParams],
-               rtn: bool, percdamp: float) -> list[GPTQResult]:
+def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | None,
+               qps: list[QParams], rtn: bool, percdamp: float,
+               threads: int | None) -> list[GPTQResult]:
     """The quantizer behind :func:`gptq_quantize` and :func:`gptq_quantize_many` (see there):
     S = len(qps) settings on the stacked float32 [K, S·N] Wᵀ; ``rtn`` skips the error feedback
     (and the Hessian factor), quantizing each 32-row block at once."""
@@ -280,22 +343,19 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
     W0 = weight.to(torch.float32).T
     if not bool(torch.isfinite(W0).all()):
         raise ValueError("gptq_quantize: weight has NaN or Inf values")
-    if hessian is None:
-        H = torch.eye(K, dtype=torch.float32, device=dev)
+    if isinstance(hessian, HessianFactor):
+        fac = hessian
+        if fac.perm.numel() != K or fac.perm.device != dev or fac.percdamp != percdamp \
+                or (fac.upper is None and not rtn):
+            raise ValueError(f"gptq_quantize: the Hessian factor (K={fac.perm.numel()}, "
+                             f"{fac.perm.device}, percdamp {fac.percdamp}, factor "
+                             f"{'absent' if fac.upper is None else 'present'}) does not fit "
+                             f"weight [{N}, {K}] on {dev} with percdamp {percdamp}")
     else:
-        if tuple(hessian.shape) != (K, K):
-            raise ValueError(f"gptq_quantize: Hessian shape {tuple(hessian.shape)}, expected "
-                             f"({K}, {K}) for weight [{N}, {K}]")
-        H = hessian.to(device=dev, dtype=torch.float32)
-        if not bool(torch.isfinite(H).all()):
-            raise ValueError("gptq_quantize: Hessian has NaN or Inf values")
-
-    perm = act_order(H)
-    invperm = torch.argsort(perm)
+        fac = hessian_factor(hessian, K, dev, percdamp, rtn)
+    perm, invperm, U = fac.perm, fac.invperm, (None if rtn else fac.upper)
     W = W0[perm].repeat(1, S)                     # fresh float32 [K, S·N], updated in place
     del W0
-    U = None if rtn else hessian_inverse_factor(H[perm][:, perm], percdamp)
-    del H
     SN = S * N
     qweight = torch.empty((K, SN), dtype=torch.uint8, device=dev)
     deq = torch.empty((K, SN), dtype=torch.float16, device=dev)
@@ -310,10 +370,13 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
     for s, gs in enumerate(groups):
         for gi, g in enumerate(gs):
             starts.setdefault(g.start, []).append((s, gi, g))
-    udiag = None if U is None else torch.diagonal(U)
+    udiag = None if U is None else torch.diagonal(U).tolist()   # Python floats: exact, no 0-d ops
     err = torch.empty((BLOCK, SN), dtype=torch.float32, device=dev)
     q = torch.empty(SN, dtype=torch.float32, device=dev)
     zero_scale = False                           # an all-zero group somewhere: 0/0 below
+    search = 0.0                                 # seconds in find_params
+    # row views made once (indexing is a dispatch per use: the row loop runs K times)
+    w_rows, qweight_rows, deq_rows, err_rows = W.unbind(0), qweight.unbind(0), deq.unbind(0), err.unbind(0)
 
     for a in range(0, K, BLOCK):
         be = min(a + BLOCK, K)
@@ -324,7 +387,9 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
             # settings with the same groups up to here have the same columns so far
             prefix = tuple(groups[s][:gi + 1])
             if prefix not in found:
-                found[prefix] = find_params(W[g.start:g.end, cols].contiguous(), g.bits)
+                t0 = time.perf_counter()
+                found[prefix] = find_params(W[g.start:g.end, cols].contiguous(), g.bits, threads)
+                search += time.perf_counter() - t0
             qs, qmax, sc = found[prefix]
             qscale[s][gi], qscale_max[s][gi] = qs, qmax
             scale_h[cols] = sc
@@ -342,16 +407,17 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
             deq[a:be] = (qb - zero).to(torch.float16) * scale_h
             continue
         for c in range(a, be):
-            w = W[c]
+            w = w_rows[c]
             torch.div(w, scale, out=q)
             q.round_().add_(zero).clamp_(min=0.0)
             torch.minimum(q, maxq, out=q)
             qc = torch.where(torch.isnan(q), zero, q) if zero_scale else q
-            qweight[c] = qc
-            dq = (qc - zero).to(torch.float16).mul_(scale_h)
-            deq[c] = dq
-            r = err[c - a]
-            torch.sub(w, dq.to(torch.float32), out=r)
+            qweight_rows[c].copy_(qc)
+            dq = deq_rows[c]
+            dq.copy_(torch.sub(qc, zero, out=q))       # exact small integers, then fp16
+            dq.mul_(scale_h)
+            r = err_rows[c - a]
+            torch.sub(w, dq, out=r)                    # fp16 → float32 is exact
             r.div_(udiag[c])
             if c + 1 < be:
                 W[c + 1:be].addr_(U[c, c + 1:be], r, alpha=-1.0)
@@ -364,5 +430,6 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | None, qps: list[QPa
         cols = slice(s * N, (s + 1) * N)
         out.append(GPTQResult(qweight=qweight[:, cols].contiguous(), qscale=qscale[s],
                               qscale_max=qscale_max[s], perm=perm.clone(), invperm=invperm.clone(),
-                              weight=deq[:, cols].T.contiguous(), qparams=qp, groups=groups[s]))
+                              weight=deq[:, cols].T.contiguous(), qparams=qp, groups=groups[s],
+                              search_seconds=search))
     return out

@@ -710,6 +710,8 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
                 with run.stage("verify"):
                     roundtrip = target.verify(tmp, run)
                 install(tmp, oc.out)
+                if work is not None:  # the output's own pass checkpoint, kept until now
+                    _remove(work / f"{oc.out.name}.ckpt")
             except Exception as e:
                 _remove(tmp)
                 if work is not None:  # a failed output's own checkpoint is no use

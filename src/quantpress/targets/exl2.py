@@ -345,19 +345,22 @@ class EXL2MeasurementTarget(Target, kind="measurement", options=EXL2MeasurementO
         return Summary(self.kind, "exl2", out, str(self.source.path), roundtrip=roundtrip,
                        lines=[f"layers     {self.m.L} (attention and MLP options of each)",
                               f"calibration {rows} rows x {seqlen} tokens of {self.m.text}",
-                              f"detail     GPTQ {self.timings.gptq:.1f} s, forwards "
+                              f"detail     GPTQ {self.timings.gptq:.1f} s (scale search "
+                              f"{self.timings.search:.1f} s), forwards "
                               f"{self.timings.forward:.1f} s, Hessians {self.timings.hessian:.1f} s"],
                        details={"num_layers": self.m.L, "calibration": {"rows": rows, "seqlen": seqlen},
                                 "detail": {"measurement_gptq": self.timings.gptq,
                                            "measurement_forward": self.timings.forward,
-                                           "measurement_hessian": self.timings.hessian},
+                                           "measurement_hessian": self.timings.hessian,
+                                           "measurement_search": self.timings.search},
                                 "measurement_layers": layer_seconds(self.measurer)})
 
 
 def layer_seconds(measurer: cm.Measurer) -> list[dict]:
     """The measurement pass's wall seconds per decoder layer, in layer order:
-    ``[{"gptq": s, "forward": s, "hessian": s}, ...]`` (GPTQ of the candidate settings, module
-    forwards, XᵀX accumulation; :class:`calibration.exl2_measure.Timings`)."""
+    ``[{"gptq": s, "forward": s, "hessian": s, "search": s}, ...]`` (GPTQ of the candidate
+    settings, module forwards, XᵀX accumulation, and the scale searches inside GPTQ;
+    :class:`calibration.exl2_measure.Timings`)."""
     return [{k: round(v, 3) for k, v in vars(t).items()} for t in measurer.per_layer]
 
 
@@ -480,8 +483,8 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
                                     self.meas.last_module_idx, self.meas.content_share)
         self.expected = set(writer.sizes)
         self.tensor_bytes = writer.total_bytes
-        if ckpt is not None:
-            ckpt.remove()
+        # the checkpoint stays until the output is verified and installed (produce_many
+        # removes it): a run killed during verification resumes without redoing the pass
 
     def verify(self, tmp: Path, run: Run) -> str:
         return verify_exl2_dir(tmp, self.records, self.expected)

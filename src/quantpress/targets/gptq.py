@@ -185,8 +185,7 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
                           src.path)
             sm.release()
         self.tensor_bytes = writer.total_bytes
-        if ckpt is not None:
-            ckpt.remove()
+        # the checkpoint stays until the output is verified and installed (produce_many)
 
     def verify(self, tmp: Path, run: Run) -> str:
         o = self.options

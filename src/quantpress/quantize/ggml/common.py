@@ -199,6 +199,23 @@ def single_threaded_ops():
                 torch.set_num_threads(_threads_saved)
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int | None):
+    """Run the block with ``n`` torch intra-op threads (restoring the count in effect before);
+    ``n`` None: unchanged. For elementwise passes that are large enough to share out (each
+    element's result does not depend on the thread count) inside :func:`single_threaded_ops`;
+    keep reductions outside it where their rounding must not depend on the machine."""
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def map_block_slices(fn, x: torch.Tensor, *more) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 

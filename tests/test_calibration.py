@@ -161,6 +161,12 @@ def test_on_layer_output_feeds_next_layer(tiny):
         torch.testing.assert_close(ctx.forward(layer, x), y, rtol=0, atol=0)
         attn = ctx.forward(layer.self_attn, layer.input_layernorm(x), what="self_attn")
         assert attn.shape == x.shape
+        # out=: an earlier output of the same shape is written over, one of another is not
+        buf = torch.full_like(y, float("nan"))
+        again = ctx.forward(layer, x, out=buf)
+        assert again.data_ptr() == buf.data_ptr() and torch.equal(again, y)
+        other = torch.empty(y.shape[0] + 1, *y.shape[1:])
+        assert ctx.forward(layer, x, out=other).data_ptr() != other.data_ptr()
         new = 0.5 * y
         replaced.append(new)
         return new

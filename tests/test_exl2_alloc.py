@@ -668,6 +668,11 @@ def test_content_share_excludes_sink_tokens():
     d = torch.randn(3, 40, 16, generator=g) * 0.01
     d[:, 0] = 0
     err = 1 - module_accuracy(y + d, y)
+    # the measurement's scorer (one scratch for every candidate) gives the same values
+    from quantpress.calibration.exl2_measure import AccuracyScorer
+    scorer = AccuracyScorer(y)
+    for cand in (y + d, y - 2 * d, y + d):
+        assert scorer.score(cand) == module_accuracy(cand, y)
     rel_content = float((d.flatten(1).norm(dim=1) / y[:, 1:].flatten(1).norm(dim=1)).mean())
     assert err / q == pytest.approx(rel_content, rel=0.05)
     assert err < 0.2 * rel_content                     # what the plain err hides

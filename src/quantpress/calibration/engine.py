@@ -463,14 +463,15 @@ class LayerContext:
 
     @torch.no_grad()
     def forward(self, module: nn.Module, hidden: torch.Tensor, with_kwargs: bool = True,
-                what: str | None = None) -> torch.Tensor:
+                what: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``module`` over ``hidden`` [rows, seqlen, hidden_in] in batches of ``batch_size``
         rows (each batch moved to the compute device), output [rows, seqlen, out] in
         ``model.dtype`` on ``hidden_device``. Tuple outputs (``self_attn``) give their first
-        element. Raises InputError naming the layer if the output holds NaN/Inf."""
+        element. ``out``: a tensor to write the output into when its shape, dtype and device
+        are those of the output (an earlier output no longer needed; else a new one is made).
+        Raises InputError naming the layer if the output holds NaN/Inf."""
         m = self.model
         rows, seqlen = hidden.shape[:2]
-        out = None
         for a in range(0, rows, self.batch_size):
             x = hidden[a:a + self.batch_size].to(m.device, m.dtype)
             kw = self.kwargs(x.shape[0], seqlen) if with_kwargs else {}
@@ -482,7 +483,8 @@ class LayerContext:
                                  f"{what or f'decoder layer {self.index}'} (rows {a}..{a + x.shape[0] - 1}); "
                                  f"the model overflows in {str(m.dtype).replace('torch.', '')} "
                                  f"or its weights are corrupt")
-            if out is None:
+            if a == 0 and (out is None or out.shape != (rows, seqlen, *y.shape[2:])
+                           or out.dtype != y.dtype or out.device != self.hidden_device):
                 out = torch.empty(rows, seqlen, *y.shape[2:], dtype=y.dtype, device=self.hidden_device)
             out[a:a + x.shape[0]] = y.to(self.hidden_device)
         return out

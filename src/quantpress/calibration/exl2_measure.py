@@ -181,10 +181,27 @@ def module_accuracy(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     """exllamav2 0.3.2 ``test_error``: ``max(1e-6, 1 − mean_rows(‖y − y_ref‖_F / ‖y_ref‖_F))``
     with y, y_ref [rows, seq, hidden] (any float dtype), in float32 per row; y is clamped to
     the float16 range first (exllamav2 clamps outputs of an fp16 residual stream)."""
-    yq = y.float().clamp(-FP16_MAX, FP16_MAX).flatten(1)
-    yr = y_ref.float().flatten(1)
-    rel = torch.linalg.vector_norm(yq - yr, dim=1) / torch.linalg.vector_norm(yr, dim=1)
-    return max(1e-6, 1.0 - float(rel.mean()))
+    return AccuracyScorer(y_ref).score(y)
+
+
+class AccuracyScorer:
+    """:func:`module_accuracy` against one reference output ``y_ref`` [rows, seq, hidden] for
+    many candidate outputs: ‖y_ref‖ per row computed once, and one float32 scratch of y_ref's
+    size reused by every :meth:`score` (the same operations on the same shapes, so the same
+    values bit for bit; fresh [rows, seq, hidden] temporaries per candidate are mapped and
+    faulted in anew each time once they pass glibc's mmap threshold)."""
+
+    def __init__(self, y_ref: torch.Tensor):
+        self.yr = y_ref.float().flatten(1)
+        self.den = torch.linalg.vector_norm(self.yr, dim=1)
+        self.scratch = torch.empty_like(self.yr)
+
+    def score(self, y: torch.Tensor) -> float:
+        """The accuracy of candidate output ``y`` (the shape of ``y_ref``)."""
+        d = torch.clamp(y.float().flatten(1), -FP16_MAX, FP16_MAX, out=self.scratch)
+        d.sub_(self.yr)
+        rel = torch.linalg.vector_norm(d, dim=1) / self.den
+        return max(1e-6, 1.0 - float(rel.mean()))
 
 
 def content_share(y_ref: torch.Tensor, factor: float | None = None) -> float:
@@ -360,6 +377,8 @@ class Measurer:
         module, kw = block(layer, mode)
         orig = {n: lins[n].weight.data for n in names}
         cache: dict[tuple[str, qexl2.QParams], torch.Tensor] = {}
+        scorer = AccuracyScorer(y_ref)
+        ybuf = None                                  # every candidate's output, in turn
         out = []
         try:
             for j, opt in enumerate(opts):
@@ -384,9 +403,9 @@ class Measurer:
                     lins[n].weight.data = cache[key].to(orig[n].dtype)
                 t0 = time.perf_counter()
                 y = ctx.forward(module, x, with_kwargs=kw,
-                                what=f"{mode} of decoder layer {index} (option {j})")
-                acc = module_accuracy(y, y_ref)
-                del y
+                                what=f"{mode} of decoder layer {index} (option {j})", out=ybuf)
+                acc = scorer.score(y)
+                ybuf = y
                 self.timings.forward += time.perf_counter() - t0
                 entry = {"accuracy": acc,
                          "total_bits": sum(linear_bits(opt[n], lins[n]) for n in names)}

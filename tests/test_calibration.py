@@ -428,12 +428,7 @@ def heap_check() -> None:
 
     if not bound_heap() or anon_rss() is None:
         raise SystemExit(3)
-
-    def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) * 1024
-
+    anon = anon_rss
     trim_heap(force=True)  # the reference point of the next trims
     before = anon()
     for _ in range(4):

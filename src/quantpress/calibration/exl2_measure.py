@@ -177,6 +177,16 @@ def fp16_weight(lin: nn.Linear, name: str) -> torch.Tensor:
     return h
 
 
+def shared_factor(factors: dict[str, HessianFactor], name: str, hessian, device) -> HessianFactor:
+    """``factors[name]``, made on first use from ``hessian()`` (float32 [K, K]) on ``device``
+    (:func:`quantize.gptq.hessian_factor`): one factor for every linear whose input shares
+    the Hessian ``name`` (:data:`HESSIAN_OF`) and every batch of its settings."""
+    if name not in factors:
+        h = hessian()
+        factors[name] = hessian_factor(h, h.shape[0], device)
+    return factors[name]
+
+
 def module_accuracy(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     """exllamav2 0.3.2 ``test_error``: ``max(1e-6, 1 − mean_rows(‖y − y_ref‖_F / ‖y_ref‖_F))``
     with y, y_ref [rows, seq, hidden] (any float dtype), in float32 per row; y is clamped to
@@ -389,10 +399,7 @@ class Measurer:
                         t0 = time.perf_counter()
                         qps = order[n][done[n]:done[n] + per_call[n]]
                         assert qps[0] == opt[n]
-                        if HESSIAN_OF[n] not in factors:
-                            factors[HESSIAN_OF[n]] = hessian_factor(H[n], H[n].shape[0],
-                                                                    w16[n].device)
-                        fac = factors[HESSIAN_OF[n]]
+                        fac = shared_factor(factors, HESSIAN_OF[n], lambda: H[n], w16[n].device)
                         many = gptq_quantize_many(w16[n], fac, qps)
                         for q, r in zip(qps, many):
                             cache[(n, q)] = r.weight
@@ -504,13 +511,11 @@ class Quantizer:
         for n in MODULES[mode]:
             lin = linear_of(layer, mode, n, index)
             full = f"{self.prefix}{index}.{mode}.{n}"
-            if HESSIAN_OF[n] not in factors:
-                t0 = time.perf_counter()
-                H = col.hessian(f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows)
-                factors[HESSIAN_OF[n]] = hessian_factor(H, H.shape[0], lin.weight.device)
-                self.timings.gptq += time.perf_counter() - t0
-            records.append(quantize_linear(lin, full, factors[HESSIAN_OF[n]], qps[n], tensors,
-                                           self.timings))
+            t0 = time.perf_counter()
+            fac = shared_factor(factors, HESSIAN_OF[n], lambda: col.hessian(
+                f"{self.prefix}{index}.{mode}.{HESSIAN_OF[n]}", self.rows), lin.weight.device)
+            self.timings.gptq += time.perf_counter() - t0
+            records.append(quantize_linear(lin, full, fac, qps[n], tensors, self.timings))
 
     @torch.no_grad()
     def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,

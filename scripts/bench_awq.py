@@ -40,6 +40,7 @@ Usage::
 
     python scripts/bench_awq.py [--sizes 8x128,16x256] [--group-size 64] [--device cpu]
     python scripts/bench_awq.py --vs-llm-compressor --sizes 16x256 [--threads 2] [--chunks 8]
+    python scripts/bench_awq.py --sizes 128x512 --layers 2 --no-memory   # the default calibration
 """
 from __future__ import annotations
 
@@ -48,18 +49,20 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys
 sys.path.insert(0, sys.argv[1] + "/scripts")
 import tempfile
 from pathlib import Path
-from phase_memory import PhaseWatch, libraries_baseline, status
+from phase_memory import CPUClock, PhaseWatch, libraries_baseline, status
 from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, GPTQOptions, Source, produce
 base_anon = libraries_baseline(sys.argv[2])
 print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
@@ -70,12 +73,10 @@ opts = (AWQOptions if kind == "awq" else GPTQOptions)(group_size=gs, **spec)
 src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
              progress=False)
 w = PhaseWatch().start() if watch else None
-r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+clock = CPUClock()
 with tempfile.TemporaryDirectory() as tmp:
     s = produce(opts, src, Path(keep or tmp) / "out", progress=False)
-r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
-cpu = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
-       "minflt": r1.ru_minflt - r0.ru_minflt}
+cpu = clock.read()
 print("RESULT", json.dumps({**s.to_json(), "hwm": status("VmHWM"), "cpu": cpu, **(w.stop() if w else {})}), flush=True)
 """
 
@@ -149,13 +150,18 @@ OURS = {"awq": [("quantpress", {"kind": "awq", "watch": False}),
         "gptq": [("quantpress", {"kind": "gptq", "watch": False})]}
 
 
+def add_side_by_side_args(ap: argparse.ArgumentParser) -> None:
+    """The options of :func:`vs_llm_compressor` that this script and bench_gptq.py share."""
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides")
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation tokens per chunk")
+    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks")
+
+
 def vs_llm_compressor(model: Path, sizes: list[tuple[int, int]], gs: int, threads: int,
                       ctx: int, chunks: int, method: str = "awq") -> None:
     """Ours (:data:`OURS`) and llm-compressor's ``method`` ("awq" or "gptq": 4-bit symmetric,
     no activation order on both sides) on the same rows and threads: times, memory,
     held-out quality and ratios (module docstring)."""
-    import tempfile
-
     import llmcompressor_ref as ref
     from quantpress.targets import ComputeOptions
     from quantpress.targets.eval import EvalOptions, evaluate
@@ -191,6 +197,7 @@ def vs_llm_compressor(model: Path, sizes: list[tuple[int, int]], gs: int, thread
 
 
 def main() -> None:
+    from phase_memory import cpu_line, truncated_model
     from quantpress import assets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -200,13 +207,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--vs-llm-compressor", action="store_true",
                     help="side by side with llm-compressor 0.14.0.1's AWQ (CPU)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides")
-    ap.add_argument("--ctx", type=int, default=512, help="evaluation tokens per chunk")
-    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks")
+    add_side_by_side_args(ap)
+    ap.add_argument("--layers", type=int, help="only the first N decoder layers (a truncated copy "
+                    "of the model: the default calibration's per-layer costs in minutes)")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="no RSS sampling (its 2 ms polling of /proc adds system time): times only")
     args = ap.parse_args()
     model = Path(args.model) if args.model else assets.smollm2_dir()
+    tmp = tempfile.TemporaryDirectory()
+    if args.layers:
+        model = truncated_model(model, args.layers, tmp.name)
     if args.vs_llm_compressor:
-        sys.path.insert(0, str(REPO / "scripts"))
         sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
         vs_llm_compressor(model, sizes, args.group_size, args.threads, args.ctx, args.chunks)
         return
@@ -217,13 +228,12 @@ def main() -> None:
     rows = []
     for size in args.sizes.split(","):
         n, L = (int(v) for v in size.lower().split("x"))
-        r = _run(model, n, L, args.group_size, args.device)
+        r = _run(model, n, L, args.group_size, args.device, spec={"watch": not args.no_memory})
         rows.append((n, L, r))
         st = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
-        c = r["cpu"]
-        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}; CPU user {c['user_s']:.1f} s, system "
-              f"{c['sys_s']:.1f} s ({c['sys_s'] / c['wall_s']:.1%} of wall), "
-              f"{c['minflt'] / 1e6:.2f} M page faults", flush=True)
+        print(f"{n:>5} x {L:<5} {r['seconds']:>8.1f}  {st}; {cpu_line(r['cpu'])}", flush=True)
+    if args.no_memory:
+        return
     print()
     print("peak anonymous RSS above the baseline (libraries loaded: torch, transformers' model classes,")
     print("the tokenizer; no weights, no data), per phase, MiB;")

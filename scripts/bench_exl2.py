@@ -51,6 +51,7 @@ model and calibration sizes); on CPU there is no reference to compare with.
 Usage::
 
     python scripts/bench_exl2.py [--samples 8] [--seqlen 256] [--bpw 4.0,5.0] [--device cpu]
+    python scripts/bench_exl2.py --samples 128 --seqlen 512 --layers 2 --measure-only --no-memory
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1] + "/scripts")
 from pathlib import Path
-from phase_memory import PhaseWatch, libraries_baseline
+from phase_memory import CPUClock, PhaseWatch, libraries_baseline
 from quantpress.targets import (CalibOptions, ComputeOptions, EXL2MeasurementOptions, EXL2Options,
                                 Source, produce)
 args = json.loads(sys.argv[2])
@@ -79,9 +80,11 @@ if "measure_only" in args:
     opts, out = EXL2MeasurementOptions(), args["measure_only"]
 else:
     opts, out = EXL2Options(bpw=args["bpw"], measurement=args["measurement"]), args["out"]
-w = PhaseWatch().start()
+w = PhaseWatch().start() if args["memory"] else None
+clock = CPUClock()
 s = produce(opts, src, Path(out), progress=False)
-print("RESULT", json.dumps({**s.to_json(), "base": base, **w.stop()}), flush=True)
+cpu = clock.read()
+print("RESULT", json.dumps({**s.to_json(), "base": base, "cpu": cpu, **(w.stop() if w else {})}), flush=True)
 """
 
 
@@ -183,6 +186,8 @@ def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> Non
 
 
 def main() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from phase_memory import cpu_line, truncated_model
     from quantpress import assets
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -191,23 +196,33 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--bpw", default="4.0,5.0", help="two targets, comma-separated")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, help="only the first N decoder layers (a truncated copy "
+                    "of the model: the default calibration's per-layer costs in minutes)")
+    ap.add_argument("--measure-only", action="store_true", help="only run 1 (the measurement)")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="no RSS sampling (its 2 ms polling of /proc adds system time): times only")
     args = ap.parse_args()
     model = Path(args.model) if args.model else assets.smollm2_dir()
-    targets = [float(v) for v in args.bpw.split(",")]
+    targets = [] if args.measure_only else [float(v) for v in args.bpw.split(",")]
     mib = 1 / 2 ** 20
-    common = dict(samples=args.samples, seqlen=args.seqlen, device=args.device)
-    print(f"model {model.name}, calibration {args.samples} x {args.seqlen}, device {args.device}, "
-          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
+    common = dict(samples=args.samples, seqlen=args.seqlen, device=args.device, memory=not args.no_memory)
     mm = mm_flops_per_second(args.device)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.layers:
+            model = truncated_model(model, args.layers, tmp)
+        print(f"model {model.name}, calibration {args.samples} x {args.seqlen}, device {args.device}, "
+              f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}", flush=True)
         meas = Path(tmp) / "measurement.json"
         runs.append(("measure-only", _run(model, measure_only=str(meas), **common)))
-        print(f"  measure-only: {runs[-1][1]['seconds']:.1f} s", flush=True)
+        print(f"  measure-only: {runs[-1][1]['seconds']:.1f} s; {cpu_line(runs[-1][1]['cpu'])}", flush=True)
         for t in targets:
             runs.append((f"--measurement, bpw {t}", _run(model, out=str(Path(tmp) / f"q{t}"), bpw=t,
                                                          measurement=str(meas), **common)))
-            print(f"  bpw {t} from the measurement: {runs[-1][1]['seconds']:.1f} s", flush=True)
+            print(f"  bpw {t} from the measurement: {runs[-1][1]['seconds']:.1f} s; "
+                  f"{cpu_line(runs[-1][1]['cpu'])}", flush=True)
+        flops = measurement_flops(model, args.samples, args.seqlen)
+        e = expected(model, args.samples * args.seqlen)
     names = ["tokenize", "measurement", "allocation", "quantization", "head", "write", "verify"]
     print()
     print(f"{'run':<26} {'total':>7} " + " ".join(f"{n:>12}" for n in names) + "  (seconds)")
@@ -217,10 +232,10 @@ def main() -> None:
               + " ".join(f"{st[n]:>12.1f}" if n in st else f"{'':>12}" for n in names))
     print()
     print("measurement per decoder layer:")
-    print_measurement_layers(runs[0][1], measurement_flops(model, args.samples, args.seqlen), mm)
+    print_measurement_layers(runs[0][1], flops, mm)
+    if args.no_memory:
+        return
     print()
-    tokens = args.samples * args.seqlen
-    e = expected(model, tokens)
     print("peak anonymous RSS above the baseline (libraries loaded; no weights, no data), MiB; "
           "'+' = above the phase's own start")
     print(f"{'run':<26} {'peak':>6} " + " ".join(f"{n:>12}" for n in
@@ -241,8 +256,8 @@ def main() -> None:
     print(f"expected per layer: measurement ≈ W + X + H + F + S = {(sum(e.values())) * mib:.0f} MiB, "
           f"quantization ≈ W + X + H + F = {(sum(e.values()) - e['S']) * mib:.0f} MiB ("
           + ", ".join(f"{k} {v * mib:.0f}" for k, v in e.items()) + ")")
-    params = runs[1][1]["parameters"]
-    print(f"(the whole model in float32: {params * 4 * mib:.0f} MiB)")
+    if runs[-1][1].get("parameters"):
+        print(f"(the whole model in float32: {runs[-1][1]['parameters'] * 4 * mib:.0f} MiB)")
     for name, r in runs[1:]:
         print(f"{name}: decoder {r['details']['decoder_bpw']:.3f} bpw, file {r['bpw']:.3f} bpw, "
               f"objective {r['details']['objective']}, {r['roundtrip']}")

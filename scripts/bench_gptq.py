@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -131,13 +130,12 @@ def main() -> int:
     ap.add_argument("--model", help="HF directory for --vs-llm-compressor (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--sizes", default="16x256", help="calibration rows x seqlen (--vs-llm-compressor)")
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides")
-    ap.add_argument("--ctx", type=int, default=512, help="evaluation tokens per chunk")
-    ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_awq
+
+    bench_awq.add_side_by_side_args(ap)
     args = ap.parse_args()
     if args.vs_llm_compressor:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import bench_awq
         from quantpress import assets
 
         model = Path(args.model) if args.model else assets.smollm2_dir()

@@ -10,9 +10,17 @@ allocation, quantization, head, write, verify, ...): :meth:`PhaseWatch.start` su
 :func:`libraries_baseline` loads what every run loads whatever the model (torch, transformers'
 model classes and what they import, the tokenizer) so that the figures above it are the
 model's and the data's.
+
+:class:`CPUClock` gives a child's wall, user and system seconds and minor page faults over a
+run; :func:`truncated_model` makes a copy of a model with its first N decoder layers, so a
+bench can run the default calibration (128 x 512) in minutes and still see every per-layer
+cost (forwards, searches, page faults of [rows, seq, hidden] temporaries) at full size.
 """
 from __future__ import annotations
 
+import json
+import os
+import resource
 import sys
 import threading
 import time
@@ -31,6 +39,43 @@ def status(key: str) -> int:
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def truncated_model(model: str | Path, layers: int, dest: str | Path) -> Path:
+    """A copy of the Hugging Face directory ``model`` under ``dest`` with ``num_hidden_layers``
+    = ``layers`` in its config.json and every other file symlinked (the streaming loader reads
+    the decoder layers the config names; the checkpoint's other layers are never read).
+    Returns the copy's path. ValueError when ``layers`` is not in 1..num_hidden_layers."""
+    model, dest = Path(model), Path(dest) / f"{Path(model).name}-{layers}L"
+    cfg = json.loads((model / "config.json").read_text())
+    if not 1 <= layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"--layers {layers}: {model} has {cfg['num_hidden_layers']} decoder layers")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name != "config.json" and not (dest / f.name).exists():
+            os.symlink(f.resolve(), dest / f.name)
+    (dest / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}, indent=2))
+    return dest
+
+
+class CPUClock:
+    """Wall, user and system seconds and minor page faults of this process since
+    construction (``getrusage(RUSAGE_SELF)``)."""
+
+    def __init__(self):
+        self.r0, self.t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+
+    def read(self) -> dict:
+        """{"wall_s", "user_s", "sys_s", "minflt"} since construction."""
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return {"wall_s": time.perf_counter() - self.t0, "user_s": r1.ru_utime - self.r0.ru_utime,
+                "sys_s": r1.ru_stime - self.r0.ru_stime, "minflt": r1.ru_minflt - self.r0.ru_minflt}
+
+
+def cpu_line(c: dict) -> str:
+    """``CPUClock.read()`` as one line: user and system seconds, system share, page faults."""
+    return (f"CPU user {c['user_s']:.1f} s, system {c['sys_s']:.1f} s ({c['sys_s'] / max(c['wall_s'], 1e-9):.1%} "
+            f"of wall {c['wall_s']:.1f} s), {c['minflt'] / 1e6:.2f} M page faults")
 
 
 def libraries_baseline(model: str | Path) -> int:

@@ -122,6 +122,25 @@ def test_weight_mean_matches_definition():
     assert torch.allclose(m, expect, atol=2e-3)
 
 
+def test_output_loss_with_scratch_is_the_same_loss():
+    """The search's form of the loss (its candidate output and a float64 scratch reused) equals
+    the loss of the definition, Σ(y0 − y)² / numel in float64, and the plain form bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    y0 = torch.randn(4, 96, 80, generator=g) * 3
+    y = y0 + torch.randn(4, 96, 80, generator=g) * 0.01
+    plain = awq.output_loss(y0, y)
+    assert plain == pytest.approx(float(((y0.double() - y.double()) ** 2).mean()), rel=1e-6)
+    ptr, y_before = y.data_ptr(), y.clone()
+    scratch = torch.empty(y.shape, dtype=torch.float64)
+    assert awq.output_loss(y0, y, scratch) == plain
+    assert y.data_ptr() == ptr and torch.equal(y, (y0 - y_before).pow(2))  # storage reused
+    assert torch.equal(scratch, y.double())
+    # other dtypes keep y and take differences in float32, as the plain form
+    yh = y_before.half()
+    assert awq.output_loss(y0, yh, scratch) == awq.output_loss(y0, yh.clone())
+    assert torch.equal(yh, y_before.half())
+
+
 def test_best_clip_equals_loop_version():
     """The batched search picks, per (row, group), the candidate a direct loop over candidates,
     rows and groups picks (AutoAWQ 0.2.9 ``_compute_best_clip``), with the loop's own float32

@@ -53,7 +53,7 @@ def _random_rows() -> np.ndarray:
     return np.concatenate(rows).astype(np.float32)
 
 
-def _edge_rows() -> np.ndarray:
+def edge_rows() -> np.ndarray:
     """Rows of 256 (one K-quant block, eight legacy blocks) that hit the special cases."""
     r = np.random.default_rng(3)
     n = 256
@@ -89,7 +89,7 @@ INPUTS = {
     "fp16_rows": _fp16_rows,
     "llm_like_rows": _llm_like_rows,
     "random_rows": _random_rows,
-    "edge_rows": _edge_rows,
+    "edge_rows": edge_rows,
     "fuzz_rows": lambda: np.concatenate([ggml_ref.fuzz_rows(11, 192), ggml_ref.fuzz_rows(12, 192)]),
 }
 

@@ -13,7 +13,7 @@ import torch
 import ggml_ref
 import quantpress.quantize.ggml as qg
 from quantpress.quantize.ggml import common, kquants
-from test_ggml_codecs import _edge_rows
+from test_ggml_codecs import edge_rows
 
 WEIGHTED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -106,7 +106,7 @@ def test_random_tensors_match_llamacpp(name, shape, im_kind):
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("im_kind", ["lognormal", "zeros", "ones", "huge", "all_zero", "tiny"])
 def test_edge_rows_match_llamacpp(name, im_kind):
-    x = _edge_rows()
+    x = edge_rows()
     _check(x, name, _imatrix(im_kind, x.shape[1], seed=1))
 
 
@@ -140,7 +140,7 @@ def test_integer_rounding_path(name, monkeypatch):
     """The C integer rounding path of make_qkx2_quants and of the requantization (taken
     off-CPU) gives the same bytes."""
     monkeypatch.setattr(kquants, "FAST_ROUNDING_ON_CPU", False)
-    x = np.concatenate([_edge_rows(), _random_tensor(5, 24, 256)])
+    x = np.concatenate([edge_rows(), _random_tensor(5, 24, 256)])
     _check(x, name, _imatrix("lognormal", 256, seed=4))
 
 

@@ -315,15 +315,17 @@ class LayerQuantizer:
         mods = [layer.get_submodule(n) for n in g.layers]
         dtype = mods[0].weight.dtype
         originals = [m.weight.data for m in mods]
-        best, best_loss = None, float("inf")
+        best, best_loss, y = None, float("inf"), None
+        scratch = torch.empty(y0.shape, dtype=torch.float64, device=y0.device)
         try:
             for k in range(qawq.N_GRID):
                 s = qawq.grid_scales(x_mean.to(x.device), w_mean.to(x.device), k / qawq.N_GRID, o.duo_scaling)
                 for m, w in zip(mods, w_orig):
                     m.weight.data = qawq.scaled_fake_quant(w, s.to(w.device), o.bits, o.group_size).to(dtype)
-                y = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what).clamp(-FP16_MAX, FP16_MAX)
-                loss = qawq.output_loss(y0, y)
-                del y
+                # one output buffer and one loss scratch for every grid point (at 128 x 512 tokens
+                # fresh [rows, seq, hidden] temporaries per point were mapped and faulted anew)
+                y = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what, out=y).clamp_(-FP16_MAX, FP16_MAX)
+                loss = qawq.output_loss(y0, y, scratch)
                 if loss < best_loss:
                     best, best_loss = s.clone(), loss
         finally:  # the layer's own tensors back: other consumers of the pass read them

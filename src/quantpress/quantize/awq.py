@@ -130,8 +130,19 @@ def scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, bits: int, group_size: i
     return pseudo_quantize(w * s.view(1, -1), bits, group_size).w_fq / s.view(1, -1)
 
 
-def output_loss(y0: torch.Tensor, y: torch.Tensor) -> float:
-    """Σ(y0 − y)² / numel, accumulated in float64 (AutoAWQ ``_compute_loss``; float32 there)."""
+def output_loss(y0: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor | None = None) -> float:
+    """Σ(y0 − y)² / numel, accumulated in float64 (AutoAWQ ``_compute_loss``; float32 there).
+    ``y0``, ``y``: outputs of the same shape, any float dtype (differences taken in float32).
+
+    ``scratch``: a float64 tensor of ``y``'s shape, for a search that scores many candidates
+    against one ``y0``: a float32 ``y`` is then overwritten with the squared differences and
+    ``scratch`` holds their float64 copy, where the plain form makes two temporaries of ``y``'s
+    size and one of twice its size (``sum(dtype=float64)`` casts its whole input first), each
+    mapped and faulted in anew once it passes glibc's mmap threshold. The same operations on
+    the same shapes, so the same loss bit for bit."""
+    if scratch is not None and y.dtype == torch.float32 and y0.dtype == torch.float32:
+        d = torch.sub(y0, y, out=y).pow_(2)
+        return float(scratch.copy_(d).sum()) / d.numel()
     d = (y0.float() - y.float())
     return float(d.pow(2).sum(dtype=torch.float64)) / d.numel()
 

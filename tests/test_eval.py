@@ -82,6 +82,10 @@ def test_perplexity_and_kl_equal_direct_computation():
         float(F.cross_entropy(q.reshape(-1, 500).double(), tgt.reshape(-1)).exp()), rel=1e-6)
     assert r["ln_ppl_ratio"] == pytest.approx(float(F.cross_entropy(q.reshape(-1, 500).double(), tgt.reshape(-1))
                                                     - ce), rel=1e-5)
+    # per-position KL bit for bit the plain form's, through the reused float64 scratch (a
+    # 2-row batch, then a 1-row one in a slice of it)
+    assert torch.equal(torch.cat(k.kld_values), ceval.token_kl(base, q).reshape(-1))
+    assert k.scratch.numel() == 2 * 40 * 500
     same = ceval.KLStats()
     same.update(base, base, tgt)
     assert same.result()["kld_max"] == 0 and same.result()["same_top"] == 1

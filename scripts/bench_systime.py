@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """User time, system time and page faults of every calibrated verb, each run as a user runs
-it (the ``quantize`` command in a fresh process), at the default calibration (128 x 512).
+it (the ``quantize`` or ``convert`` command in a fresh process), at the default calibration
+(128 x 512).
 
 A calibrated pass costs the same per decoder layer whatever the depth, so the model is cut to
-its first ``--layers`` decoder layers (config.json's ``num_hidden_layers``, the other files
-linked: ``phase_memory.truncated_model``); the per-layer temporaries ([rows, seqlen, hidden]
-float32: 151 MB for SmolLM2 at 128 x 512, above glibc's mmap threshold of 64 MiB that
-``quantpress.runtime.bound_heap`` sets) are full size. Each verb's times are the child's
-``getrusage(RUSAGE_CHILDREN)`` difference: wall, user and system seconds, minor page faults,
-and the system share of wall time (the issue's bound: under 10%). Verbs:
+its first ``--layers`` decoder layers (config.json's ``num_hidden_layers`` and a
+model.safetensors without the later layers' tensors: ``phase_memory.truncated_model``); the
+per-layer temporaries ([rows, seqlen, hidden] float32: 151 MB for SmolLM2 at 128 x 512, above
+glibc's mmap threshold of 64 MiB that ``quantpress.runtime.bound_heap`` sets) are full size.
+Each verb's times are the child's ``getrusage(RUSAGE_CHILDREN)`` difference: wall, user and
+system seconds, minor page faults, and the system share of wall time (the bound: under 10%).
+Verbs:
 
     imatrix    quantize imatrix MODEL -o M.imatrix.gguf
+    gguf       convert hf-to-gguf MODEL --policy Q4_K_M --imatrix auto -o M.gguf
     awq        quantize awq MODEL --group-size 64 -o AWQ
     gptq       quantize gptq MODEL --group-size 64 -o GPTQ
+    fp8        quantize fp8 MODEL --scheme static -o FP8      (calibrated input scales)
     exl2       quantize exl2 MODEL --measure-only measurement.json   (the measurement pass)
     eval       quantize eval MODEL AWQ GPTQ --ctx SEQLEN --chunks SAMPLES
 
@@ -21,7 +25,7 @@ and the system share of wall time (the issue's bound: under 10%). Verbs:
 Usage::
 
     python scripts/bench_systime.py [--layers 2] [--samples 128] [--seqlen 512] [--threads 2]
-                                    [--verbs imatrix,awq,gptq,exl2,eval]
+                                    [--verbs imatrix,gguf,awq,gptq,fp8,exl2,eval]
 """
 from __future__ import annotations
 
@@ -37,25 +41,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-VERBS = ("imatrix", "awq", "gptq", "exl2", "eval")
+VERBS = ("imatrix", "gguf", "awq", "gptq", "fp8", "exl2", "eval")
 
 
 def commands(model: Path, out: Path, samples: int, seqlen: int, verbs: list[str]) -> list[tuple[str, list[str]]]:
     """(verb, argv) for each verb asked for, in :data:`VERBS` order (module docstring)."""
     quantize = [sys.executable, "-m", "quantpress.cli.quantize_main"]
+    convert = [sys.executable, "-m", "quantpress.cli.convert_main"]
     cal = ["--samples", str(samples), "--seqlen", str(seqlen), "--quiet"]
     table = {
-        "imatrix": ["imatrix", str(model), "-o", str(out / "m.imatrix.gguf"), *cal],
-        "awq": ["awq", str(model), "--group-size", "64", "-o", str(out / "awq"), *cal],
-        "gptq": ["gptq", str(model), "--group-size", "64", "-o", str(out / "gptq"), *cal],
-        "exl2": ["exl2", str(model), "--measure-only", str(out / "measurement.json"), *cal],
-        "eval": ["eval", str(model), str(out / "awq"), str(out / "gptq"), "--ctx", str(seqlen),
-                 "--chunks", str(samples), "--quiet"],
+        "imatrix": quantize + ["imatrix", str(model), "-o", str(out / "m.imatrix.gguf"), *cal],
+        "gguf": convert + ["hf-to-gguf", str(model), "--policy", "Q4_K_M", "--imatrix", "auto",
+                           "-o", str(out / "m-Q4_K_M.gguf"), *cal],
+        "awq": quantize + ["awq", str(model), "--group-size", "64", "-o", str(out / "awq"), *cal],
+        "gptq": quantize + ["gptq", str(model), "--group-size", "64", "-o", str(out / "gptq"), *cal],
+        "fp8": quantize + ["fp8", str(model), "--scheme", "static", "-o", str(out / "fp8"), *cal],
+        "exl2": quantize + ["exl2", str(model), "--measure-only", str(out / "measurement.json"), *cal],
+        "eval": quantize + ["eval", str(model), str(out / "awq"), str(out / "gptq"), "--ctx",
+                            str(seqlen), "--chunks", str(samples), "--quiet"],
     }
     if "eval" in verbs and not {"awq", "gptq"} <= set(verbs):
         print("eval skipped: it evaluates the awq and gptq outputs (add both to --verbs)")
         verbs = [v for v in verbs if v != "eval"]
-    return [(v, quantize + table[v]) for v in VERBS if v in verbs]
+    return [(v, table[v]) for v in VERBS if v in verbs]
 
 
 def timed(argv: list[str], env: dict) -> dict:
@@ -65,7 +73,7 @@ def timed(argv: list[str], env: dict) -> dict:
     p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
-        raise SystemExit(f"{' '.join(argv[3:])} failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
+        raise SystemExit(f"{' '.join(argv[2:])} failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
     return {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
             "minflt": r1.ru_minflt - r0.ru_minflt}
 
@@ -94,7 +102,7 @@ def main() -> None:
         out = Path(tmp) / "out"
         out.mkdir()
         print(f"model {model.name}, calibration {args.samples} x {args.seqlen}, {args.threads} torch "
-              f"threads; each verb a fresh `quantize` process")
+              f"threads; each verb a fresh `quantize` or `convert` process")
         print(f"{'verb':<8} {'wall s':>8} {'user s':>8} {'sys s':>7} {'sys %':>6} {'faults M':>9} "
               f"{'CPU / wall':>10}")
         for verb, argv in commands(model, out, args.samples, args.seqlen, verbs):

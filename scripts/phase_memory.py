@@ -12,7 +12,7 @@ model classes and what they import, the tokenizer) so that the figures above it 
 model's and the data's.
 
 :class:`CPUClock` gives a child's wall, user and system seconds and minor page faults over a
-run; :func:`truncated_model` makes a copy of a model with its first N decoder layers, so a
+run; :func:`truncated_model` makes a model of the first N decoder layers of another, so a
 bench can run the default calibration (128 x 512) in minutes and still see every per-layer
 cost (forwards, searches, page faults of [rows, seq, hidden] temporaries) at full size.
 """
@@ -42,18 +42,32 @@ def status(key: str) -> int:
 
 
 def truncated_model(model: str | Path, layers: int, dest: str | Path) -> Path:
-    """A copy of the Hugging Face directory ``model`` under ``dest`` with ``num_hidden_layers``
-    = ``layers`` in its config.json and every other file symlinked (the streaming loader reads
-    the decoder layers the config names; the checkpoint's other layers are never read).
-    Returns the copy's path. ValueError when ``layers`` is not in 1..num_hidden_layers."""
+    """A copy of the Hugging Face directory ``model`` under ``dest`` with its first ``layers``
+    decoder layers: config.json's ``num_hidden_layers`` = ``layers``, one model.safetensors
+    with every tensor but those of the later layers (``*.layers.<i>.*``, i ≥ ``layers``), the
+    other files symlinked. Returns the copy's path. ValueError when ``layers`` is not in
+    1..num_hidden_layers."""
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     model, dest = Path(model), Path(dest) / f"{Path(model).name}-{layers}L"
     cfg = json.loads((model / "config.json").read_text())
     if not 1 <= layers <= cfg["num_hidden_layers"]:
         raise ValueError(f"--layers {layers}: {model} has {cfg['num_hidden_layers']} decoder layers")
     dest.mkdir(parents=True, exist_ok=True)
     for f in model.iterdir():
-        if f.name != "config.json" and not (dest / f.name).exists():
+        if f.name != "config.json" and not f.name.startswith("model") and not (dest / f.name).exists():
             os.symlink(f.resolve(), dest / f.name)
+    keep = {}
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                m = re.search(r"\.layers\.(\d+)\.", k)
+                if m is None or int(m.group(1)) < layers:
+                    keep[k] = st.get_tensor(k)
+    save_file(keep, str(dest / "model.safetensors"), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}, indent=2))
     return dest
 

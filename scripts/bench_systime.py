@@ -35,7 +35,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,13 +68,13 @@ def commands(model: Path, out: Path, samples: int, seqlen: int, verbs: list[str]
 def timed(argv: list[str], env: dict) -> dict:
     """Run ``argv``; its wall, user and system seconds and minor page faults. SystemExit with
     the command's output when it fails."""
-    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    from phase_memory import CPUClock
+
+    clock = CPUClock(resource.RUSAGE_CHILDREN)
     p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode:
         raise SystemExit(f"{' '.join(argv[2:])} failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
-    return {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
-            "minflt": r1.ru_minflt - r0.ru_minflt}
+    return clock.read()
 
 
 def main() -> None:

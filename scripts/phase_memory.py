@@ -73,15 +73,17 @@ def truncated_model(model: str | Path, layers: int, dest: str | Path) -> Path:
 
 
 class CPUClock:
-    """Wall, user and system seconds and minor page faults of this process since
-    construction (``getrusage(RUSAGE_SELF)``)."""
+    """Wall, user and system seconds and minor page faults since construction, of this
+    process (``who`` = ``resource.RUSAGE_SELF``) or of its waited-for children
+    (``resource.RUSAGE_CHILDREN``)."""
 
-    def __init__(self):
-        self.r0, self.t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    def __init__(self, who: int = resource.RUSAGE_SELF):
+        self.who = who
+        self.r0, self.t0 = resource.getrusage(who), time.perf_counter()
 
     def read(self) -> dict:
         """{"wall_s", "user_s", "sys_s", "minflt"} since construction."""
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        r1 = resource.getrusage(self.who)
         return {"wall_s": time.perf_counter() - self.t0, "user_s": r1.ru_utime - self.r0.ru_utime,
                 "sys_s": r1.ru_stime - self.r0.ru_stime, "minflt": r1.ru_minflt - self.r0.ru_minflt}
 

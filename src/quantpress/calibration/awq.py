@@ -316,7 +316,9 @@ class LayerQuantizer:
         dtype = mods[0].weight.dtype
         originals = [m.weight.data for m in mods]
         best, best_loss, y = None, float("inf"), None
-        scratch = torch.empty(y0.shape, dtype=torch.float64, device=y0.device)
+        # output_loss's float64 scratch: used only for float32 outputs (half types keep its plain form)
+        scratch = (torch.empty(y0.shape, dtype=torch.float64, device=y0.device)
+                   if y0.dtype == torch.float32 else None)
         try:
             for k in range(qawq.N_GRID):
                 s = qawq.grid_scales(x_mean.to(x.device), w_mean.to(x.device), k / qawq.N_GRID, o.duo_scaling)

@@ -5,13 +5,18 @@ a careful user makes them: two ``convert hf-to-gguf``, one ``quantize awq``, ``q
 --bpw 4.0`` (which keeps measurement.json in its directory), ``quantize exl2 --bpw 5.0
 --measurement`` that file, one ``quantize eval`` of the four models. Prints both wall times,
 their ratio, both peak RSS (the largest of the one-by-one processes), and whether every
-output is byte-identical between the two ways.
+output is byte-identical between the two ways. ``--ray`` also runs the batch with ``--ray``
+on a local Ray instance (each stage a Ray task with one CPU: the GGUF policies beside the
+calibrated pass, the EXL2 targets beside each other) and prints its wall time and ratio (its
+peak RSS is not measured: Ray's workers are not this script's children). ``--layers N``:
+the model's first N decoder layers (``phase_memory.truncated_model``), for short runs.
 
-    .venv/bin/python scripts/bench_batch.py --samples 8 --seqlen 256 --chunks 8
+    .venv/bin/python scripts/bench_batch.py --samples 8 --seqlen 256 --chunks 8 [--ray]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_gguf import measure  # noqa: E402  (also puts tests/ on sys.path)
 from make import digests  # noqa: E402
+from phase_memory import truncated_model  # noqa: E402
 from quantpress import assets  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -31,10 +37,14 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=8, help="evaluation chunks of 512 tokens")
     ap.add_argument("--work", help="working directory (default: a temporary one)")
+    ap.add_argument("--ray", action="store_true", help="also the batch with --ray (local Ray instance)")
+    ap.add_argument("--layers", type=int, help="only the first N decoder layers of the model")
     a = ap.parse_args()
-    model = assets.smollm2_dir()
     work = Path(a.work or tempfile.mkdtemp(prefix="bench_batch-"))
     work.mkdir(parents=True, exist_ok=True)
+    model = assets.smollm2_dir()
+    if a.layers:
+        model = truncated_model(model, a.layers, work)
     cal = ["--samples", str(a.samples), "--seqlen", str(a.seqlen), "--device", "cpu", "--quiet"]
     name = "smollm2"
 
@@ -53,6 +63,9 @@ eval = {{ chunks = {a.chunks} }}
 """)
     batch_wall, batch_rss = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "batch"),
                                      "--quiet", "--force"])
+    if a.ray:
+        ray_wall, _ = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "ray"),
+                               "--quiet", "--force", "--ray"])
 
     one = work / "one"
     one.mkdir(exist_ok=True)
@@ -76,8 +89,13 @@ eval = {{ chunks = {a.chunks} }}
     one_wall, one_rss = sum(walls), max(rsss)
 
     same = all(digests(work / "batch" / name / p.name) == digests(p) for p in o.values())
-    print(f"calibration {a.samples} x {a.seqlen} tokens, eval {a.chunks} chunks of 512, CPU")
+    print(f"model {model.name}, calibration {a.samples} x {a.seqlen} tokens, eval {a.chunks} "
+          f"chunks of 512, CPU, {os.environ.get('OMP_NUM_THREADS', 'default')} threads")
     print(f"batch       {batch_wall:7.1f} s  peak RSS {batch_rss:7.0f} MiB")
+    if a.ray:
+        same_ray = all(digests(work / "ray" / name / p.name) == digests(p) for p in o.values())
+        print(f"batch --ray {ray_wall:7.1f} s  ({ray_wall / one_wall:.2f}x of one by one; outputs "
+              f"byte-identical: {'yes' if same_ray else 'NO'})")
     print(f"one by one  {one_wall:7.1f} s  peak RSS {one_rss:7.0f} MiB (largest process)")
     print(f"ratio       {batch_wall / one_wall:.2f}x time, {batch_rss / one_rss:.2f}x peak RSS; "
           f"outputs byte-identical: {'yes' if same else 'NO'}")

@@ -306,21 +306,74 @@ def _manifest_without_times(p: Path) -> dict:
     return m
 
 
-def test_ray_gives_the_outputs_and_manifests_of_the_local_run(tmp_path, tiny_llama_dir, second_dir):
-    """``--ray`` on a local Ray instance: two models as two tasks, the same files and the same
-    manifests (but for the seconds) as the run in this process."""
-    job = _two_models(tmp_path / "j.toml", tiny_llama_dir, second_dir, 'gguf = ["Q4_0"]\nimatrix = true')
-    local, viaray = tmp_path / "local", tmp_path / "ray"
-    assert quantize_main(["batch", str(job), "-o", str(local), "--quiet"]) == 0
+def test_ray_gives_the_outputs_and_manifests_of_the_local_run(batch, tmp_path_factory):
+    """``--ray`` on a local Ray instance, the job of the ``batch`` fixture (two models, every
+    kind of stage: GGUF, the calibrated pass, GPTQ, imatrix-weighted GGUF, EXL2 after the
+    measurement, eval), each stage a Ray task: the same files and the same manifests (but for
+    the seconds) as the run in this process. (The imatrix-weighted GGUF records its imatrix's
+    path, quantize.imatrix.file: the two roots have paths of one length, that path is
+    swapped before comparing.)"""
+    job, local, _ = batch
+    viaray = tmp_path_factory.mktemp("batch") / "out"
+    assert len(str(viaray)) == len(str(local))
+    swapped = 0
     assert quantize_main(["batch", str(job), "-o", str(viaray), "--quiet", "--ray"]) == 0
-    for name in ("a", "b"):
+    names = sorted(p.name for p in local.iterdir())
+    assert names == sorted(p.name for p in viaray.iterdir()) and len(names) == 2
+    for name in names:
         files = sorted(p.name for p in (local / name).iterdir())
         assert files == sorted(p.name for p in (viaray / name).iterdir())
+        m = json.loads((local / name / "manifest.json").read_text())
+        weighted = {o["path"] for o in m["outputs"] if o["kind"] == "gguf" and o["options"].get("imatrix")}
         for f in files:
             if f == "manifest.json":
-                assert _manifest_without_times(local / name / f) == _manifest_without_times(viaray / name / f)
+                a, b = _manifest_without_times(local / name / f), _manifest_without_times(viaray / name / f)
+                for o in a["outputs"] + b["outputs"]:
+                    if o["path"] in weighted:   # their digests: compared below
+                        o.pop("files")
+                assert a == b
+            elif f in weighted:
+                im = f"{name}.imatrix.gguf"
+                got = (viaray / name / f).read_bytes().replace(str(viaray / name / im).encode(),
+                                                               str(local / name / im).encode())
+                assert got == (local / name / f).read_bytes(), f
+                swapped += 1
             elif f != "README.md":
                 assert _digests(local / name / f) == _digests(viaray / name / f), f
+    assert swapped == 1
+
+
+def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
+    """The stage graph Ray runs (runner.model_stages): the GGUF policies and the calibrated
+    pass wait for nothing, the imatrix-weighted GGUF and every EXL2 target for the calibrated
+    pass, taking its imatrix / measurement, and the evaluation for all of them."""
+    from quantpress.batch import jobfile, runner
+
+    job = _job(tmp_path / "jobs.toml", tiny_llama_dir, second_dir)
+    plans = [runner.plan_model(j, tmp_path / "fresh") for j in jobfile.read_jobs(job, tmp_path / "fresh")]
+    got = [[(s.name, [o.path for o in s.outputs], s.after, s.needs and s.needs[2])
+            for s in runner.model_stages(p)] for p in plans]
+    q = plans[1].job.name
+    assert got == [
+        [("gguf", ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"], (), None),
+         ("calibrated", ["tiny.imatrix.gguf", "tiny-AWQ-w4g64", "measurement.json"], (), None),
+         ("exl2 4.0", ["tiny-EXL2-4.0bpw"], ("calibrated",), "measurement"),
+         ("exl2 5.0", ["tiny-EXL2-5.0bpw"], ("calibrated",), "measurement"),
+         ("eval", [], ("gguf", "calibrated", "exl2 4.0", "exl2 5.0"), None)],
+        [("gguf", [f"{q}-Q8_0.gguf"], (), None),
+         ("calibrated", [f"{q}.imatrix.gguf", f"{q}-AWQ-w4g64", f"{q}-FP8-static"], (), None),
+         ("gptq w4g64-act", [f"{q}-GPTQ-w4g64-act"], (), None),
+         ("gguf+imatrix", [f"{q}-Q4_0.gguf"], ("calibrated",), "imatrix")]]
+    # Ray's graph also scores each stage's model outputs once that stage is finished
+    each = [(s.name, s.after, s.evaluates) for s in runner.model_stages(plans[0], eval_each=True)
+            if s.is_eval]
+    assert each == [
+        ("eval gguf", ("gguf",), ("tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf")),
+        ("eval calibrated", ("calibrated",), ("tiny-AWQ-w4g64",)),
+        ("eval exl2 4.0", ("exl2 4.0",), ("tiny-EXL2-4.0bpw",)),
+        ("eval exl2 5.0", ("exl2 5.0",), ("tiny-EXL2-5.0bpw",)),
+        ("eval", ("gguf", "calibrated", "exl2 4.0", "exl2 5.0", "eval gguf", "eval calibrated",
+                  "eval exl2 4.0", "eval exl2 5.0"), None)]
 
 
 def test_ray_missing_says_how_to_install(tmp_path, tiny_llama_dir, monkeypatch, capsys):

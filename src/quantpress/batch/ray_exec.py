@@ -1,19 +1,30 @@
-"""``quantize batch --ray [ADDRESS]``: the models of a batch as Ray tasks.
+"""``quantize batch --ray [ADDRESS]``: the stages of every model of a batch as Ray tasks.
 
-Each planned model (:class:`quantpress.batch.runner.ModelPlan`) becomes one Ray task running
-:func:`quantpress.batch.runner.run_model` on whichever node Ray schedules it, with one GPU
-reserved per task when the cluster has GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``, so ``device =
-"auto"`` picks the task's own GPU) and one CPU otherwise. The tasks write straight into
-``OUT_ROOT/<name>/``, which must be a path every node sees (a shared filesystem); each model's
-manifest is written by its own task only. ``ADDRESS`` is a running cluster (``ray start
---head`` prints it; "auto" finds the local one); without it a local Ray instance is started,
-which also serves several GPUs of one box. Scheduling, retries and placement are Ray's.
+Each model's stages (:func:`quantpress.batch.runner.model_stages`: the GGUF policies, the
+calibrated pass, each GPTQ target, the imatrix-weighted GGUF policies, each EXL2 target,
+and the evaluation of each stage's outputs, ``eval_each``) become Ray tasks as soon as the
+stages they wait for are finished, so the GGUF policies run beside the calibrated pass (and
+are scored while it runs), every EXL2 target beside the others once the measurement exists,
+and the models of the batch beside each other. A task reserves one GPU
+when the cluster has GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``, so ``device = "auto"`` picks the
+task's own GPU) and one CPU otherwise (Ray then gives it one intra-op thread).
+
+A stage task is a Ray generator (:func:`_stage_task`): it streams each output's
+:class:`~quantpress.targets.base.Outcome` as the output is verified and in place, and the
+driver records it at once (:class:`quantpress.batch.runner.ModelRun`): the driver alone writes
+the manifests and the model cards, after every output, as a local run does, so a batch killed
+anywhere resumes the same way. The tasks write the outputs and their resumable work
+(``.work/``) into ``OUT_ROOT/<name>/``, which must be a path every node sees (a shared
+filesystem). ``ADDRESS`` is a running cluster (``ray start --head`` prints it; "auto" finds the
+local one); without it a local Ray instance is started, which also serves several GPUs of one
+box. Scheduling, placement and the transport of results are Ray's.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
-from quantpress.batch.runner import ModelPlan, Row, run_model
+from quantpress.batch.jobfile import OutputJob
+from quantpress.batch.runner import ModelPlan, ModelRun, Row, open_source, run_eval, run_stage
 from quantpress.errors import InputError
 
 
@@ -31,16 +42,50 @@ def check_ray() -> None:
     _ray()
 
 
-def _run_model_task(plan: ModelPlan) -> list[Row]:
-    return run_model(plan, progress=False)
+def _stage_task(plan: ModelPlan, inputs: list[tuple[OutputJob, Any]]) -> Iterator[tuple]:
+    """One stage in a Ray worker: yields ``(Outcome, device, dtype)`` per output as
+    :func:`run_stage` finishes it (run in a thread, the outcomes passed through a queue)."""
+    import queue
+    import threading
+
+    from quantpress.targets.base import Outcome
+
+    try:
+        source = open_source(plan)
+        where = (str(source.device), str(source.dtype).replace("torch.", ""))
+    except Exception as e:  # the model cannot be opened here: the stage's outputs fail
+        for o, opt in inputs:
+            yield Outcome(opt, plan.dir / o.path, error=e), None, None
+        return
+    done: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        try:
+            run_stage(plan, inputs, source, done.put)
+        except BaseException as e:  # noqa: BLE001 - handed to the generator, raised there
+            done.put(e)
+        finally:
+            done.put(None)
+
+    thread = threading.Thread(target=work, name="quantpress-stage", daemon=True)
+    thread.start()
+    while (item := done.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield (item, *where)
+    thread.join()
+
+
+def _eval_task(plan: ModelPlan, paths: list[str]):
+    return run_eval(plan, paths)
 
 
 def run_batch_ray(plans: list[ModelPlan], address: str | None = None,
                   on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Run every planned model as a Ray task (see the module docstring) and return the rows of
-    all outputs, model by model in the order of ``plans``; ``on_row`` sees each model's rows
-    as its task finishes. ``address``: an existing cluster (None: a local instance, shut down
-    afterwards). Raises InputError when Ray is missing or the cluster cannot be reached."""
+    """Run every planned model's stages as Ray tasks (see the module docstring) and return
+    the rows of all outputs, model by model in the order of ``plans``; ``on_row`` sees each row
+    as its output is recorded. ``address``: an existing cluster (None: a local instance, shut
+    down afterwards). Raises InputError when Ray is missing or the cluster cannot be reached."""
     ray = _ray()
     started = not ray.is_initialized()
     if started:
@@ -52,19 +97,52 @@ def run_batch_ray(plans: list[ModelPlan], address: str | None = None,
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
-        task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1,
-                          max_retries=0)(_run_model_task)
-        pending = {task.remote(p): i for i, p in enumerate(plans)}
-        done: dict[int, list[Row]] = {}
+        resources = dict(num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1, max_retries=0)
+        stage_task = ray.remote(**resources)(_stage_task)
+        eval_task = ray.remote(**resources)(_eval_task)
+        runs = [ModelRun(p, on_row, eval_each=True) for p in plans]
+        pending: dict[Any, tuple[ModelRun, Any, list[str]]] = {}
+
+        def submit(run: ModelRun) -> None:
+            while ready := run.ready():
+                for stage in ready:
+                    inputs = run.start(stage)
+                    if stage.is_eval:
+                        paths = run.eval_todo(stage)
+                        if paths:
+                            pending[eval_task.remote(run.plan, paths)] = (run, stage, paths)
+                            continue
+                    elif inputs:
+                        pending[stage_task.remote(run.plan, inputs)] = (run, stage, [])
+                        continue
+                    run.finish(stage)
+
+        for run in runs:
+            submit(run)
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                i = pending.pop(ref)
-                done[i] = ray.get(ref)
-                if on_row is not None:
-                    for r in done[i]:
-                        on_row(r)
-        return [r for i in range(len(plans)) for r in done[i]]
+            (ready, *_), _ = ray.wait(list(pending), num_returns=1)
+            run, stage, paths = pending[ready]
+            if stage.is_eval:
+                del pending[ready]
+                try:
+                    run.record_eval(paths, ray.get(ready))
+                    run.finish(stage)
+                except Exception as e:  # noqa: BLE001 - the task's error, recorded
+                    run.finish(stage, getattr(e, "cause", None) or e)
+                submit(run)
+                continue
+            try:
+                oc, device, dtype = ray.get(next(ready))
+                run.record(oc, device, dtype)
+            except StopIteration:
+                del pending[ready]
+                run.finish(stage)
+                submit(run)
+            except Exception as e:  # noqa: BLE001 - the task died: its unreported outputs fail
+                del pending[ready]
+                run.finish(stage, getattr(e, "cause", None) or e)
+                submit(run)
+        return [r for run in runs for r in run.close()]
     finally:
         if started:
             ray.shutdown()

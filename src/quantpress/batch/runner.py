@@ -1,18 +1,24 @@
 """``quantize batch``: every output of every model of a job file, sharing what they can.
 
-Per model (:func:`run_model`), with one :class:`~quantpress.targets.base.Source` (config,
-tokenizer and calibration rows read once):
+Per model, its stages (:func:`model_stages`), with one :class:`~quantpress.targets.base.Source`
+(config, tokenizer and calibration rows read once) per process:
 
-1. **shared stage**: :func:`quantpress.targets.base.produce_many` over the GGUF policies (all
-   written from one read of each tensor), the importance matrix, the AWQ targets and the EXL2
-   measurement (``measurement.json``): one streamed pass over the reference hidden states
-   feeds the imatrix statistics, every AWQ search and the EXL2 measurement;
-2. **EXL2 targets**, each with ``--measurement`` set to that measurement.json (its own
-   quantized pass), so each is byte-identical to ``quantize exl2 --measurement`` and to a
-   fresh ``quantize exl2``;
-3. **evaluation** (``eval = true``): one :func:`quantpress.targets.eval.evaluate` of the source
+1. **GGUF policies**, all written from one read of each tensor;
+2. **calibrated pass**: :func:`quantpress.targets.base.produce_many` over the importance
+   matrix, the AWQ targets and the EXL2 measurement (``measurement.json``): one streamed pass
+   over the reference hidden states feeds the imatrix statistics, every AWQ search and the
+   EXL2 measurement;
+3. **GPTQ targets** (each its own quantized pass), the **imatrix-weighted GGUF policies**
+   once the imatrix exists, and the **EXL2 targets**, each with ``--measurement`` set to that
+   measurement.json (its own quantized pass), so each is byte-identical to ``quantize exl2
+   --measurement`` and to a fresh ``quantize exl2``;
+4. **evaluation** (``eval = true``): one :func:`quantpress.targets.eval.evaluate` of the source
    against every model output;
-4. ``manifest.json`` rewritten after every output, and ``README.md`` (the model card).
+
+``manifest.json`` and ``README.md`` (the model card) rewritten after every output by the
+process that owns the model (:class:`ModelRun`). :func:`run_model` runs the stages one after
+the other in this process; ``--ray`` runs each as a Ray task once what it waits for is
+finished (:mod:`quantpress.batch.ray_exec`).
 
 Re-running the same command resumes: outputs whose manifest entry is ``ok`` with the same
 options and unchanged checksums are kept (reported as kept), the others are made; a pass
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
@@ -103,9 +109,10 @@ def _first_line(e: Exception) -> str:
 
 class _Manifest:
     """The manifest of one model as it is being made: entries by path, written after every
-    change."""
+    change. ``device`` / ``dtype`` of the calibration are set by :meth:`computed_on` once the
+    process that computes knows them."""
 
-    def __init__(self, plan: ModelPlan, source: Source):
+    def __init__(self, plan: ModelPlan):
         job = plan.job
         self.plan = plan
         prev = {e["path"]: e for e in (plan.previous or {}).get("outputs", [])}
@@ -114,13 +121,18 @@ class _Manifest:
         self.doc = {"model": job.name, "source": str(job.source), "outputs": [],
                     "calibration": {"text": c.calib, "calib_field": c.calib_field,
                                     "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed,
-                                    "device": str(source.device),
-                                    "dtype": str(source.dtype).replace("torch.", "")},
+                                    "device": None, "dtype": None},
                     "versions": mf.versions(), "job": model_key(job)}
         if plan.previous and plan.previous.get("job") == model_key(job):
             for k in ("eval_base", "eval_options"):
                 if k in plan.previous:
                     self.doc[k] = plan.previous[k]
+
+    def computed_on(self, device: str, dtype: str) -> None:
+        """Record the compute device and dtype (the first report wins)."""
+        cal = self.doc["calibration"]
+        if cal["device"] is None:
+            cal["device"], cal["dtype"] = device, dtype
 
     def record(self, o: OutputJob, oc: Outcome) -> Row:
         p = self.plan.dir / o.path
@@ -151,6 +163,8 @@ class _Manifest:
 
 
 WORK = ".work"
+#: the name of the evaluation stage (:func:`model_stages`)
+EVAL = "eval"
 
 
 def _stderr(message: str) -> None:
@@ -159,109 +173,252 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+@dataclass
+class Stage:
+    """One step of a model's run: the ``outputs`` one :func:`run_stage` call makes together
+    (one :func:`~quantpress.targets.base.produce_many`), the stages it waits for (``after``,
+    by name; a name the plan lacks counts as finished) and what it takes from an earlier
+    output (``needs``: (its path, what it is, the option set to it), e.g. the EXL2
+    measurement as ``measurement``). Evaluation stages (:attr:`is_eval`) have no outputs."""
+
+    name: str
+    outputs: list[OutputJob]
+    after: tuple[str, ...] = ()
+    needs: tuple[str, str, str] | None = None
+    evaluates: tuple[str, ...] | None = None
+
+    @property
+    def is_eval(self) -> bool:
+        """An evaluation stage: :data:`EVAL` (every output still without one) or one that
+        evaluates the outputs of one stage (``evaluates``, their paths)."""
+        return self.name == EVAL or self.evaluates is not None
+
+
+def model_stages(plan: ModelPlan, eval_each: bool = False) -> list[Stage]:
+    """The stages of one planned model, in an order that runs each after what it waits for
+    (the order :func:`run_model` uses; Ray runs every stage whose ``after`` are finished at
+    once, :mod:`quantpress.batch.ray_exec`):
+
+    * ``gguf``: the GGUF policies without an imatrix, from one read of each tensor;
+    * ``calibrated``: the imatrix, the AWQ and FP8 targets and the EXL2 measurement, fed by
+      one streamed pass over the reference hidden states;
+    * ``gptq <target>``: each GPTQ target (its own quantized pass);
+    * ``gguf+imatrix``: the GGUF policies that use the model's imatrix, after ``calibrated``;
+    * ``exl2 <bpw>``: each EXL2 target with the measurement (after ``calibrated``, unless the
+      job gives ``exl2_measurement``);
+    * ``eval``: every model output against the source, after all the others.
+
+    ``eval_each`` (Ray): also an ``eval <stage>`` stage after each stage that makes model
+    outputs, evaluating those (each such task scores the source again: on a cluster the
+    outputs of the early stages are scored while the later ones are made); ``eval`` then
+    scores what is left (the kept outputs whose evaluation is missing)."""
+    job, make = plan.job, plan.make
+    stages = []
+    gguf = [o for o in make if o.kind == "gguf" and not o.after_imatrix]
+    if gguf:
+        stages.append(Stage("gguf", gguf))
+    calibrated = [o for o in make if o.kind not in ("gguf", "gptq", "exl2")]
+    if calibrated:
+        stages.append(Stage("calibrated", calibrated))
+    stages += [Stage(f"gptq {o.target}", [o]) for o in make if o.kind == "gptq"]
+    weighted = [o for o in make if o.after_imatrix]
+    if weighted:
+        imatrix = next(o.path for o in job.outputs if o.kind == "imatrix")
+        stages.append(Stage("gguf+imatrix", weighted, ("calibrated",), (imatrix, "the imatrix", "imatrix")))
+    for o in make:
+        if o.kind != "exl2":
+            continue
+        if o.options.measurement is not None:   # exl2_measurement: reused as given
+            stages.append(Stage(f"exl2 {o.target}", [o]))
+        else:
+            stages.append(Stage(f"exl2 {o.target}", [o], ("calibrated",),
+                                (MEASUREMENT_FILE, "the EXL2 measurement", "measurement")))
+    if job.eval is not None:
+        if eval_each:
+            stages += [Stage(f"eval {s.name}", [], (s.name,),
+                             evaluates=tuple(o.path for o in s.outputs if o.kind in MODEL_KINDS))
+                       for s in list(stages) if any(o.kind in MODEL_KINDS for o in s.outputs)]
+        stages.append(Stage(EVAL, [], tuple(s.name for s in stages)))
+    return stages
+
+
+class ModelRun:
+    """What the process that owns a model's manifest knows while its stages run, locally
+    (:func:`run_model`) or as Ray tasks (:func:`quantpress.batch.ray_exec.run_batch_ray`): the
+    rows, the manifest (written here only, after every recorded output) and which stages are
+    started and finished. Creating it makes the output directory and reports the kept
+    outputs."""
+
+    def __init__(self, plan: ModelPlan, on_row: Callable[[Row], None] | None = None,
+                 eval_each: bool = False):
+        self.plan = plan
+        self.rows: list[Row] = []
+        self.on_row = on_row
+        self.stages = model_stages(plan, eval_each)
+        self.started: set[str] = set()
+        self.finished: set[str] = set()
+        self._recorded: set[str] = set()
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        job = plan.job
+        prev = {e["path"]: e for e in (plan.previous or {}).get("outputs", [])}
+        for o in plan.keep:
+            e = prev[o.path]
+            self.emit(Row(job.name, o.kind, o.target, o.path, "kept", e.get("seconds", 0.0),
+                          e.get("bytes", 0), e.get("bpw")))
+        self.man = _Manifest(plan)
+
+    def emit(self, r: Row) -> None:
+        self.rows.append(r)
+        if self.on_row is not None:
+            self.on_row(r)
+
+    def ready(self) -> list[Stage]:
+        """The stages not started whose ``after`` are all finished."""
+        names = {s.name for s in self.stages}
+        return [s for s in self.stages if s.name not in self.started
+                and all(a in self.finished or a not in names for a in s.after)]
+
+    def start(self, stage: Stage) -> list[tuple[OutputJob, Any]]:
+        """Mark ``stage`` started and return its (output, options) pairs, with the option of
+        ``needs`` set to the finished earlier output. When that output failed, its outputs
+        are recorded failed, the stage finished, and [] returned."""
+        self.started.add(stage.name)
+        if stage.needs is None:
+            return [(o, o.options) for o in stage.outputs]
+        path, what, key = stage.needs
+        entry = self.man.entries.get(path)
+        if entry is None or entry.get("roundtrip") != "ok":
+            err = InputError(f"{self.plan.dir / path}: {what} failed ({(entry or {}).get('error', 'not made')})")
+            for o in stage.outputs:
+                self.record(Outcome(o.options, self.plan.dir / o.path, error=err))
+            self.finished.add(stage.name)
+            return []
+        return [(o, replace(o.options, **{key: str(self.plan.dir / path)})) for o in stage.outputs]
+
+    def record(self, oc: Outcome, device: str | None = None, dtype: str | None = None) -> None:
+        """Record one output's outcome (its manifest entry and row)."""
+        if device is not None:
+            self.man.computed_on(device, dtype)
+        o = next(o for o in self.plan.job.outputs if self.plan.dir / o.path == Path(oc.out))
+        self._recorded.add(o.path)
+        self.emit(self.man.record(o, oc))
+
+    def finish(self, stage: Stage, error: Exception | None = None) -> None:
+        """Mark ``stage`` finished; with ``error`` (its process died), the outputs it did not
+        report are recorded failed."""
+        if error is not None:
+            if stage.is_eval:
+                self.emit(Row(self.plan.job.name, "eval", "", "", "failed", error=_first_line(error),
+                              code=_code(error)))
+            for o in stage.outputs:
+                if o.path not in self._recorded:
+                    self.record(Outcome(o.options, self.plan.dir / o.path, error=error))
+        self.finished.add(stage.name)
+
+    def fail_all(self, error: Exception) -> None:
+        """The model cannot be opened: every output not made yet fails with ``error``."""
+        for s in self.stages:
+            self.started.add(s.name)
+            self.finish(s, None if s.is_eval else error)
+
+    def eval_todo(self, stage: Stage) -> list[str]:
+        """Paths of the finished model outputs (of ``stage.evaluates`` when it names them)
+        that have no evaluation yet (all of them when the evaluation options changed since the
+        manifest was written)."""
+        job = self.plan.job
+        if self.man.doc.get("eval_options") != options_json(job.eval):
+            for e in self.man.entries.values():
+                e["eval"] = None
+            self.man.doc["eval_options"] = None
+        return [e["path"] for e in (self.man.entries.get(o.path) for o in job.outputs
+                                    if o.kind in MODEL_KINDS
+                                    and (stage.evaluates is None or o.path in stage.evaluates))
+                if e is not None and e.get("roundtrip") == "ok" and e.get("eval") is None]
+
+    def record_eval(self, paths: list[str], rep) -> None:
+        """Record :func:`~quantpress.targets.eval.evaluate`'s report of ``paths``."""
+        b = rep.models[0]
+        self.man.doc["eval_base"] = {"ppl": b.ppl["ppl"], "text": rep.text, "n_ctx": rep.n_ctx,
+                                     "n_chunks": rep.n_chunks}
+        self.man.doc["eval_options"] = options_json(self.plan.job.eval)
+        for path, m in zip(paths, rep.models[1:]):
+            self.man.entries[path]["eval"] = {"ppl": m.ppl["ppl"], "kld": m.kl["kld_mean"],
+                                              "kld_p99": m.kl["kld_p99"], "same_top": m.kl["same_top"]}
+        self.man.write()
+
+    def close(self) -> list[Row]:
+        """Write the manifest a last time, remove an empty ``.work/``; the rows."""
+        self.man.write()
+        work = self.plan.dir / WORK
+        if work.is_dir() and not any(work.iterdir()):
+            work.rmdir()
+        return self.rows
+
+
+def open_source(plan: ModelPlan, progress: bool = False) -> Source:
+    """The model's :class:`Source`, its device and dtype resolved (so that a model that cannot
+    be opened fails here)."""
+    job = plan.job
+    source = Source(job.source, job.compute, job.calib, progress=progress)
+    source.device, source.dtype
+    return source
+
+
+def run_stage(plan: ModelPlan, inputs: list[tuple[OutputJob, Any]], source: Source,
+              on_done: Callable[[Outcome], None], progress: bool = False,
+              log: Callable[[str], None] = _stderr) -> None:
+    """Make one stage's outputs (``inputs`` from :meth:`ModelRun.start`) with one
+    :func:`~quantpress.targets.base.produce_many` into the model's directory, its resumable
+    work in ``.work/`` (keyed by :func:`model_key`); ``on_done`` gets each :class:`Outcome`
+    as it finishes. Runs in whichever process computes (this one, or a Ray worker)."""
+    plan.dir.mkdir(parents=True, exist_ok=True)
+    produce_many([(opt, plan.dir / o.path) for o, opt in inputs], source, force=True,
+                 progress=progress, on_done=on_done, work=plan.dir / WORK,
+                 work_key=model_key(plan.job), log=log)
+
+
+def run_eval(plan: ModelPlan, paths: list[str], progress: bool = False):
+    """:func:`~quantpress.targets.eval.evaluate` of the source against the outputs ``paths``
+    (relative to the model's directory): the EvalReport."""
+    from quantpress.targets.eval import evaluate
+
+    job = plan.job
+    return evaluate(job.source, [plan.dir / p for p in paths], job.eval, job.compute, progress=progress)
+
+
 def run_model(plan: ModelPlan, progress: bool = True,
               on_row: Callable[[Row], None] | None = None,
               log: Callable[[str], None] = _stderr) -> list[Row]:
-    """Make the outputs of one planned model (see the module docstring). Returns one
-    :class:`Row` per output (kept, made or failed); never raises for a failing output.
+    """Make the outputs of one planned model in this process, stage after stage
+    (:func:`model_stages`, one :class:`Source` for all). Returns one :class:`Row` per output
+    (kept, made or failed); never raises for a failing output.
 
     Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs and the
     checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
     it reached (the row's ``resumed_at``); ``log`` gets the messages about saved work (resumed,
     or discarded because the job or the code changed)."""
-    job = plan.job
-    plan.dir.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
-
-    def emit(r: Row) -> None:
-        rows.append(r)
-        if on_row is not None:
-            on_row(r)
-
-    prev = {e["path"]: e for e in (plan.previous or {}).get("outputs", [])}
-    for o in plan.keep:
-        e = prev[o.path]
-        emit(Row(job.name, o.kind, o.target, o.path, "kept", e.get("seconds", 0.0), e.get("bytes", 0),
-                 e.get("bpw")))
+    run = ModelRun(plan, on_row)
     try:
-        source = Source(job.source, job.compute, job.calib, progress=progress)
-        man = _Manifest(plan, source)
+        source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails
-        for o in plan.make:
-            emit(Row(job.name, o.kind, o.target, o.path, "failed", error=_first_line(e), code=_code(e)))
-        return rows
-    man.write()
-
-    def produce_all(outs: list[OutputJob], options: list) -> None:
-        by_path = {str(plan.dir / o.path): o for o in outs}
-
-        def done(oc: Outcome) -> None:
-            emit(man.record(by_path[str(oc.out)], oc))
-
-        produce_many([(opt, plan.dir / o.path) for o, opt in zip(outs, options)], source,
-                     force=True, progress=progress, on_done=done, work=plan.dir / WORK,
-                     work_key=model_key(job), log=log)
-
-    def after(outs: list[OutputJob], path: str, what: str, key: str) -> None:
-        """Make ``outs`` with option ``key`` set to the finished output ``path`` (the
-        imatrix, the EXL2 measurement), or fail them all when it failed."""
-        entry = man.entries.get(path)
-        if entry is None or entry.get("roundtrip") != "ok":
-            err = InputError(f"{plan.dir / path}: {what} failed ({(entry or {}).get('error', 'not made')})")
-            for o in outs:
-                emit(man.record(o, Outcome(o.options, plan.dir / o.path, error=err)))
-        else:
-            produce_all(outs, [replace(o.options, **{key: str(plan.dir / path)}) for o in outs])
-
-    first = [o for o in plan.make if o.kind != "exl2" and not o.after_imatrix]
-    if first:
-        produce_all(first, [o.options for o in first])
-    weighted = [o for o in plan.make if o.after_imatrix]
-    if weighted:
-        after(weighted, next(o.path for o in job.outputs if o.kind == "imatrix"), "the imatrix", "imatrix")
-    exl2 = [o for o in plan.make if o.kind == "exl2"]
-    if exl2 and exl2[0].options.measurement is not None:  # exl2_measurement: reused as given
-        produce_all(exl2, [o.options for o in exl2])
-    elif exl2:
-        after(exl2, MEASUREMENT_FILE, "the EXL2 measurement", "measurement")
-    if job.eval is not None:
-        _evaluate(plan, man, source, progress, emit)
-    man.write()
-    work = plan.dir / WORK
-    if work.is_dir() and not any(work.iterdir()):
-        work.rmdir()
-    return rows
-
-
-def _evaluate(plan: ModelPlan, man: _Manifest, source: Source, progress: bool,
-              emit: Callable[[Row], None]) -> None:
-    """PPL and KLD of every finished model output that has none yet (all of them when the
-    evaluation options changed), against the source, in one :func:`evaluate` call."""
-    from quantpress.targets.eval import evaluate
-
-    job = plan.job
-    opts = options_json(job.eval)
-    if man.doc.get("eval_options") != opts:
-        for e in man.entries.values():
-            e["eval"] = None
-    todo = [e for e in (man.entries.get(o.path) for o in job.outputs if o.kind in MODEL_KINDS)
-            if e is not None and e.get("roundtrip") == "ok" and e.get("eval") is None]
-    if not todo:
-        return
-    try:
-        rep = evaluate(job.source, [plan.dir / e["path"] for e in todo], job.eval, job.compute,
-                       progress=progress)
-    except Exception as e:
-        emit(Row(job.name, "eval", "", "", "failed", error=_first_line(e), code=_code(e)))
-        return
-    b = rep.models[0]
-    man.doc["eval_base"] = {"ppl": b.ppl["ppl"], "text": rep.text, "n_ctx": rep.n_ctx,
-                            "n_chunks": rep.n_chunks}
-    man.doc["eval_options"] = opts
-    for e, m in zip(todo, rep.models[1:]):
-        e["eval"] = {"ppl": m.ppl["ppl"], "kld": m.kl["kld_mean"], "kld_p99": m.kl["kld_p99"],
-                     "same_top": m.kl["same_top"]}
-    man.write()
+        run.fail_all(e)
+        return run.rows
+    run.man.computed_on(str(source.device), str(source.dtype).replace("torch.", ""))
+    run.man.write()
+    for stage in run.stages:
+        inputs = run.start(stage)
+        if stage.is_eval:
+            paths = run.eval_todo(stage)
+            if paths:
+                try:
+                    run.record_eval(paths, run_eval(plan, paths, progress))
+                except Exception as e:
+                    run.finish(stage, e)
+                    continue
+        elif inputs:
+            run_stage(plan, inputs, source, run.record, progress, log)
+        run.finish(stage)
+    return run.close()
 
 
 def closing_table(rows: list[Row]) -> str:

@@ -306,7 +306,7 @@ def _manifest_without_times(p: Path) -> dict:
     return m
 
 
-def test_ray_gives_the_outputs_and_manifests_of_the_local_run(batch, tmp_path_factory):
+def test_ray_gives_the_outputs_and_manifests_of_the_local_run(batch, tmp_path_factory, capsys):
     """``--ray`` on a local Ray instance, the job of the ``batch`` fixture (two models, every
     kind of stage: GGUF, the calibrated pass, GPTQ, imatrix-weighted GGUF, EXL2 after the
     measurement, eval), each stage a Ray task: the same files and the same manifests (but for
@@ -341,6 +341,13 @@ def test_ray_gives_the_outputs_and_manifests_of_the_local_run(batch, tmp_path_fa
             elif f != "README.md":
                 assert _digests(local / name / f) == _digests(viaray / name / f), f
     assert swapped == 1
+    # run again: every output kept, no task run, the manifests as they were (calibration included)
+    before = {n: json.loads((viaray / n / "manifest.json").read_text()) for n in names}
+    capsys.readouterr()
+    assert quantize_main(["batch", str(job), "-o", str(viaray), "--quiet", "--ray", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 13 and {r["status"] for r in rows} == {"kept"}
+    assert {n: json.loads((viaray / n / "manifest.json").read_text()) for n in names} == before
 
 
 def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):

@@ -122,26 +122,19 @@ def run_batch_ray(plans: list[ModelPlan], address: str | None = None,
         while pending:
             (ready, *_), _ = ray.wait(list(pending), num_returns=1)
             run, stage, paths = pending[ready]
-            if stage.is_eval:
-                del pending[ready]
-                try:
-                    run.record_eval(paths, ray.get(ready))
-                    run.finish(stage)
-                except Exception as e:  # noqa: BLE001 - the task's error, recorded
-                    run.finish(stage, getattr(e, "cause", None) or e)
-                submit(run)
-                continue
+            error = None
             try:
-                oc, device, dtype = ray.get(next(ready))
-                run.record(oc, device, dtype)
-            except StopIteration:
-                del pending[ready]
-                run.finish(stage)
-                submit(run)
+                if not stage.is_eval:  # the next output of a stage task
+                    run.record(*ray.get(next(ready)))
+                    continue
+                run.record_eval(paths, ray.get(ready))
+            except StopIteration:  # the stage task is done
+                pass
             except Exception as e:  # noqa: BLE001 - the task died: its unreported outputs fail
-                del pending[ready]
-                run.finish(stage, getattr(e, "cause", None) or e)
-                submit(run)
+                error = getattr(e, "cause", None) or e
+            del pending[ready]
+            run.finish(stage, error)
+            submit(run)
         return [r for run in runs for r in run.close()]
     finally:
         if started:

@@ -109,8 +109,8 @@ def _first_line(e: Exception) -> str:
 
 class _Manifest:
     """The manifest of one model as it is being made: entries by path, written after every
-    change. ``device`` / ``dtype`` of the calibration are set by :meth:`computed_on` once the
-    process that computes knows them."""
+    change. ``device`` / ``dtype`` of the calibration: the earlier manifest's of the same job
+    until :meth:`computed_on` reports where this run computes."""
 
     def __init__(self, plan: ModelPlan):
         job = plan.job
@@ -127,12 +127,12 @@ class _Manifest:
             for k in ("eval_base", "eval_options"):
                 if k in plan.previous:
                     self.doc[k] = plan.previous[k]
+            cal = plan.previous.get("calibration", {})
+            self.computed_on(cal.get("device"), cal.get("dtype"))
 
-    def computed_on(self, device: str, dtype: str) -> None:
-        """Record the compute device and dtype (the first report wins)."""
-        cal = self.doc["calibration"]
-        if cal["device"] is None:
-            cal["device"], cal["dtype"] = device, dtype
+    def computed_on(self, device: str | None, dtype: str | None) -> None:
+        """Record the compute device and dtype."""
+        self.doc["calibration"].update(device=device, dtype=dtype)
 
     def record(self, o: OutputJob, oc: Outcome) -> Row:
         p = self.plan.dir / o.path
@@ -297,7 +297,7 @@ class ModelRun:
 
     def record(self, oc: Outcome, device: str | None = None, dtype: str | None = None) -> None:
         """Record one output's outcome (its manifest entry and row)."""
-        if device is not None:
+        if device is not None:  # None: the task could not open the model
             self.man.computed_on(device, dtype)
         o = next(o for o in self.plan.job.outputs if self.plan.dir / o.path == Path(oc.out))
         self._recorded.add(o.path)
@@ -329,7 +329,7 @@ class ModelRun:
         if self.man.doc.get("eval_options") != options_json(job.eval):
             for e in self.man.entries.values():
                 e["eval"] = None
-            self.man.doc["eval_options"] = None
+            self.man.doc.pop("eval_options", None)
         return [e["path"] for e in (self.man.entries.get(o.path) for o in job.outputs
                                     if o.kind in MODEL_KINDS
                                     and (stage.evaluates is None or o.path in stage.evaluates))

@@ -42,9 +42,12 @@ def llamacpp_src() -> Path:
     out = assets.cache_root() / "ref" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     if (out / "convert_hf_to_gguf.py").exists():
         return out
-    sdist = assets.pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", assets.cache_root() / "dl", sdist=True)
-    with tarfile.open(sdist) as t:
-        t.extractall(assets.cache_root() / "ref", filter="data")
+    with assets.cache_lock("llama_cpp_src"):
+        if not (out / "convert_hf_to_gguf.py").exists():
+            sdist = assets.pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", assets.cache_root() / "dl",
+                                        sdist=True)
+            with tarfile.open(sdist) as t:
+                t.extractall(assets.cache_root() / "ref", filter="data")
     return out
 
 
@@ -61,6 +64,14 @@ def tools() -> Path:
     bindir = b / "bin"
     if all((bindir / t).is_file() for t in TARGETS):
         return bindir
+    with assets.cache_lock("llama_cpp_tools"):
+        if not all((bindir / t).is_file() for t in TARGETS):
+            _build(b)
+    return bindir
+
+
+def _build(b: Path) -> None:
+    """cmake configure and build of TARGETS in ``b`` (log in ``b/build.log``)."""
     src = llamacpp_src()
     b.mkdir(parents=True, exist_ok=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -70,7 +81,6 @@ def tools() -> Path:
                        stdout=log, stderr=subprocess.STDOUT)
         subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
                        check=True, stdout=log, stderr=subprocess.STDOUT)
-    return bindir
 
 
 def tool(name: str) -> Path:
@@ -84,6 +94,12 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
     ``llama_model_quantize(ftype=MOSTLY_Q8_0)``. Cached."""
     out_dir = assets.cache_root() / "ref" / "smollm2-gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
+    with assets.cache_lock("smollm2-gguf"):
+        return _smollm2_gguf(out_dir, outtype)
+
+
+def _smollm2_gguf(out_dir: Path, outtype: str) -> Path:
+    """:func:`smollm2_gguf` under its cache lock."""
     f16 = out_dir / "SmolLM2-135M-Instruct-F16.gguf"
     if not f16.is_file():
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:

@@ -78,3 +78,36 @@ def smollm2_awq_pair(smollm2_dir, tmp_path_factory):
     import smollm2_runs
 
     return smollm2_runs.awq_pair(smollm2_dir, tmp_path_factory.mktemp("smollm2_awq"))
+
+
+# Parallel runs (scripts/test.sh: pytest-xdist, -n 2): each module runs whole on one worker (its
+# module fixtures are made once), the SmolLM2 modules above form one group (their session
+# fixtures are made once), and the longest groups are queued first (with
+# --no-loadscope-reorder) so that none of them starts last. Cache entries that workers share
+# are filled under file locks (quantpress.assets.cache_lock).
+SMOLLM2_GROUP = ("test_awq_smollm2", "test_batch_smollm2", "test_exl2_smollm2")
+FIRST = ("smollm2", "test_gguf_imatrix", "test_eval", "test_batch", "test_gpu_checks")
+
+
+def _group(nodeid: str) -> str:
+    """The work unit of a test: its module's name, or "smollm2" for the SmolLM2 group."""
+    mod = Path(nodeid.split("::", 1)[0]).stem
+    return "smollm2" if mod in SMOLLM2_GROUP else mod
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's load-scope scheduler with our work units (its own --dist loadgroup marks do not
+    # reach the scheduler under pytest 9, whose node ids no longer come from Item._nodeid)
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {g: i for i, g in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(FIRST)))   # stable within a group

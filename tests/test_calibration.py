@@ -178,6 +178,76 @@ def test_on_layer_output_feeds_next_layer(tiny):
     torch.testing.assert_close(h, replaced[-1], rtol=0, atol=0)
 
 
+def test_fanout_side_by_side_consumers_see_their_own_parameters(tiny):
+    """Consumers of a shared pass run side by side (threads=2): one swaps a weight of its copy
+    of the layer while the other, at the same moment (both inside on_layer, held by a
+    barrier), reruns the layer and gets the reference output; the layer keeps its own
+    parameters; an ``after_all`` consumer runs alone after both."""
+    import threading
+
+    toks = _tokens(seed=6)
+    sm = engine.StreamingModel(tiny["llama"], "cpu", torch.float32)
+    meet = threading.Barrier(2, timeout=60)   # broken (test fails) unless both run at once
+    seen, order = [], []
+
+    class Swapper:
+        def on_layer(self, i, layer, x, y, ctx):
+            q = layer.self_attn.q_proj
+            w = q.weight.data
+            q.weight.data = torch.zeros_like(w)
+            meet.wait()          # the reader starts now
+            meet.wait()          # the reader is done
+            q.weight.data = w
+            order.append(("swap", i))
+
+    class Reader:
+        def on_layer(self, i, layer, x, y, ctx):
+            meet.wait()
+            seen.append(torch.equal(ctx.forward(layer, x), y))
+            meet.wait()
+            order.append(("read", i))
+
+    class Last:
+        after_all = True
+
+        def on_layer(self, i, layer, x, y, ctx):
+            order.append(("last", i))
+
+    originals = {}
+
+    def hooks(i, layer):
+        originals[i] = {k: p.data_ptr() for k, p in layer.named_parameters()}
+
+    fan = engine.FanOut([Swapper(), Reader(), Last()], threads=2)
+
+    def on_layer(i, layer, x, y, ctx):
+        fan.on_layer(i, layer, x, y, ctx)
+        assert {k: p.data_ptr() for k, p in layer.named_parameters()} == originals[i]
+        assert torch.equal(ctx.forward(layer, x), y)
+
+    engine.run(sm, toks, hooks_factory=hooks, on_layer=on_layer, batch_size=2, progress=False)
+    assert seen == [True] * 3
+    for i in range(3):
+        assert order[3 * i + 2] == ("last", i)
+        assert sorted(order[3 * i:3 * i + 2]) == [("read", i), ("swap", i)]
+
+
+def test_side_by_side_threads_rule(monkeypatch):
+    """Side by side only on CPU with one intra-op thread, at most one consumer per core."""
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert engine.side_by_side_threads("cpu", 2) == 2
+        assert engine.side_by_side_threads("cpu", 5) == 3
+        assert engine.side_by_side_threads("cpu", 1) == 1
+        assert engine.side_by_side_threads("meta", 2) == 1
+        torch.set_num_threads(2)
+        assert engine.side_by_side_threads("cpu", 2) == 1
+    finally:
+        torch.set_num_threads(n)
+
+
 # --------------------------------------------------------------------------------------------
 # Captured statistics equal a direct computation
 

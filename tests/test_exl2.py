@@ -20,6 +20,7 @@ import synth
 from quantpress.calibration import exl2_alloc, exl2_measure
 from quantpress.calibration.exl2_measurement import read_measurement, slot_keys
 from quantpress.cli.quantize_main import main as quantize_main
+from quantpress.errors import InputError
 from quantpress.quantize import exl2 as qexl2
 
 CAL = ["--samples", "4", "--seqlen", "64", "--device", "cpu", "--quiet"]
@@ -125,6 +126,36 @@ def test_measurement_reports_seconds_per_layer(measured, models):
     assert all(v["search"] < v["gptq"] for v in layers)
     for k in parts:
         assert abs(sum(v[k] for v in layers) - d["detail"][f"measurement_{k}"]) < 0.001 * n + 1e-6
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+def test_modules_measured_side_by_side_or_in_order_agree(models, measured, tmp_path, monkeypatch, threads):
+    """A layer's attention and MLP options measured side by side (two threads, each on its own
+    copy of the layer's parameters) or one after the other give the same measurement.json,
+    byte for byte (``measured`` ran with what the machine allows), and the same GPTQ count."""
+    import threading
+
+    from quantpress.calibration import engine
+
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: min(n, threads))
+    where = {}
+    real = exl2_measure.Measurer.measure_module
+
+    def spy(self, index, layer, mode, *a, **k):
+        where[(index, mode)] = threading.current_thread().name
+        return real(self, index, layer, mode, *a, **k)
+
+    monkeypatch.setattr(exl2_measure.Measurer, "measure_module", spy)
+    path = tmp_path / "measurement.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert quantize_main(["exl2", str(models["llama"]), "--measure-only", str(path), "--json"] + CAL) == 0
+    assert path.read_bytes() == measured.read_bytes()
+    summary = json.loads(buf.getvalue())["details"]
+    assert len(summary["measurement_layers"]) == 2
+    main = [k for k, v in where.items() if v == "MainThread"]
+    assert sorted(where) == [(i, m) for i in range(2) for m in ("mlp", "self_attn")]
+    assert main == ([] if threads == 2 else list(where))
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +303,36 @@ def test_measurement_drives_several_targets(measured, models):
     for target in (2.6, 3.0, 3.5, 4.0, 4.25, 5.0, 6.0, 7.0):
         a = exl2_alloc.allocate(m.slots(), int(numel * target))
         assert target - 0.05 <= a.total_bits / numel <= target, target
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+def test_targets_of_one_source_fail_alone(models, measured, tmp_path, monkeypatch, threads):
+    """EXL2 targets written together (side by side with two threads, in order with one): one
+    that fails leaves the other made, byte-identical to a target written alone and timed in
+    the same stages."""
+    from quantpress.calibration import engine
+    from quantpress.targets import EXL2Options
+    from quantpress.targets.base import produce_many
+    from quantpress.targets.exl2 import EXL2Target
+
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: min(n, threads))
+    real = EXL2Target.write
+
+    def write(self, tmp, run):
+        if self.options.bpw == 3.0:
+            raise InputError("refused on purpose")
+        return real(self, tmp, run)
+
+    monkeypatch.setattr(EXL2Target, "write", write)
+    src = make.source(models["llama"])
+    got = produce_many([(EXL2Options(bpw=b, measurement=str(measured)), tmp_path / f"x{b}")
+                        for b in (3.0, 6.0)], src, progress=False)
+    assert isinstance(got[0].error, InputError) and not (tmp_path / "x3.0").exists()
+    assert got[1].ok and list(got[1].summary.stages)[-3:] == ["head", "write", "verify"]
+    monkeypatch.setattr(EXL2Target, "write", real)
+    alone = make.exl2(src, tmp_path / "alone", bpw=6.0, measurement=str(measured))
+    assert make.digests(tmp_path / "x6.0") == make.digests(tmp_path / "alone")
+    assert list(got[1].summary.stages) == list(alone.stages)
 
 
 def test_reuse_skips_measurement_and_roundtrip(outs):

@@ -105,7 +105,7 @@ def test_together_is_byte_identical_and_reads_once_per_order(prepared, tmp_path,
     monkeypatch.setattr(gguf_file, "encode", counting_encode)
     run = Run(progress=False)
     tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
-    GGUFTarget.write_together(targets, tmps, run)
+    GGUFTarget.write_together(targets, tmps, [run] * len(targets))
     assert list(run.stages) == ["quantize+write"]
     for p, f in zip(POLICIES, tmps):
         assert _sha(f) == singles[p], f"{p}: differs from a single produce()"
@@ -154,7 +154,7 @@ def test_nan_names_tensor_and_closes_every_writer(prepared, tmp_path, monkeypatc
     quant[k] = SourceTensor(quant[k].name, quant[k].shape, bad)
     tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
     with pytest.raises(InputError, match=r"'output_norm\.weight'.*NaN"):
-        GGUFTarget.write_together(targets, tmps, Run(progress=False))
+        GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
     # the quantized group's three writers were opened (the F16 group never started), all closed
     assert len(_TrackedWriter.made) == 3
     assert all(w.fout is None for w in _TrackedWriter.made)
@@ -166,14 +166,14 @@ def test_mismatched_plans_are_refused(prepared, tmp_path):
     st = targets[1].plan.tensors[-1]
     targets[1].plan.tensors[-1] = SourceTensor(st.name, (*st.shape[:-1], st.shape[-1] * 2), st.load)
     with pytest.raises(ValueError, match=st.name):
-        GGUFTarget.write_together(targets, [tmp_path / "a.gguf", tmp_path / "b.gguf"], Run(progress=False))
+        GGUFTarget.write_together(targets, [tmp_path / "a.gguf", tmp_path / "b.gguf"], [Run(progress=False)] * 2)
     with pytest.raises(ValueError):
-        GGUFTarget.write_together(targets, [tmp_path / "a.gguf"], Run(progress=False))
+        GGUFTarget.write_together(targets, [tmp_path / "a.gguf"], [Run(progress=False)])
     other = GGUFTarget(make.source(tmp_path), GGUFOptions("Q8_0"))
     other.plan = targets[0].plan
     with pytest.raises(ValueError, match="different sources"):
         GGUFTarget.write_together([targets[0], other], [tmp_path / "a.gguf", tmp_path / "b.gguf"],
-                                  Run(progress=False))
+                                  [Run(progress=False)] * 2)
     assert not list(tmp_path.glob("*.gguf"))
 
 

@@ -140,6 +140,19 @@ def anon_rss() -> int | None:
     return None
 
 
+def available_memory() -> int | None:
+    """Memory the system can give without swapping (``MemAvailable`` of /proc/meminfo, bytes;
+    None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def trim_heap(*_args, force: bool = False) -> None:
     """Give freed heap memory back to the system (glibc ``malloc_trim(0)``; a no-op elsewhere).
 

@@ -194,7 +194,7 @@ class Stage:
         return self.name == EVAL or self.evaluates is not None
 
 
-def model_stages(plan: ModelPlan, eval_each: bool = False) -> list[Stage]:
+def model_stages(plan: ModelPlan, eval_each: bool = False, exl2_together: bool = False) -> list[Stage]:
     """The stages of one planned model, in an order that runs each after what it waits for
     (the order :func:`run_model` uses; Ray runs every stage whose ``after`` are finished at
     once, :mod:`quantpress.batch.ray_exec`):
@@ -205,7 +205,10 @@ def model_stages(plan: ModelPlan, eval_each: bool = False) -> list[Stage]:
     * ``gptq <target>``: each GPTQ target (its own quantized pass);
     * ``gguf+imatrix``: the GGUF policies that use the model's imatrix, after ``calibrated``;
     * ``exl2 <bpw>``: each EXL2 target with the measurement (after ``calibrated``, unless the
-      job gives ``exl2_measurement``);
+      job gives ``exl2_measurement``); with ``exl2_together`` (a local run) the targets that
+      take the batch's measurement form one stage ``exl2 <bpw>+<bpw>...``, whose passes
+      :meth:`quantpress.targets.exl2.EXL2Target.write_together` runs side by side when the
+      cores and memory allow (Ray runs the separate stages side by side instead);
     * ``eval``: every model output against the source, after all the others.
 
     ``eval_each`` (Ray): also an ``eval <stage>`` stage after each stage that makes model
@@ -225,14 +228,18 @@ def model_stages(plan: ModelPlan, eval_each: bool = False) -> list[Stage]:
     if weighted:
         imatrix = next(o.path for o in job.outputs if o.kind == "imatrix")
         stages.append(Stage("gguf+imatrix", weighted, ("calibrated",), (imatrix, "the imatrix", "imatrix")))
+    measured = []
     for o in make:
         if o.kind != "exl2":
             continue
         if o.options.measurement is not None:   # exl2_measurement: reused as given
             stages.append(Stage(f"exl2 {o.target}", [o]))
         else:
-            stages.append(Stage(f"exl2 {o.target}", [o], ("calibrated",),
-                                (MEASUREMENT_FILE, "the EXL2 measurement", "measurement")))
+            measured.append(o)
+    groups = [measured] if exl2_together and measured else [[o] for o in measured]
+    for g in groups:
+        stages.append(Stage("exl2 " + "+".join(o.target for o in g), g, ("calibrated",),
+                            (MEASUREMENT_FILE, "the EXL2 measurement", "measurement")))
     if job.eval is not None:
         if eval_each:
             stages += [Stage(f"eval {s.name}", [], (s.name,),
@@ -247,14 +254,15 @@ class ModelRun:
     (:func:`run_model`) or as Ray tasks (:func:`quantpress.batch.ray_exec.run_batch_ray`): the
     rows, the manifest (written here only, after every recorded output) and which stages are
     started and finished. Creating it makes the output directory and reports the kept
-    outputs."""
+    outputs. ``eval_each`` / ``exl2_together``: as :func:`model_stages` (Ray scores each
+    stage's outputs; a local run makes its EXL2 targets in one stage)."""
 
     def __init__(self, plan: ModelPlan, on_row: Callable[[Row], None] | None = None,
-                 eval_each: bool = False):
+                 eval_each: bool = False, exl2_together: bool = False):
         self.plan = plan
         self.rows: list[Row] = []
         self.on_row = on_row
-        self.stages = model_stages(plan, eval_each)
+        self.stages = model_stages(plan, eval_each, exl2_together)
         self.started: set[str] = set()
         self.finished: set[str] = set()
         self._recorded: set[str] = set()
@@ -397,7 +405,7 @@ def run_model(plan: ModelPlan, progress: bool = True,
     checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
     it reached (the row's ``resumed_at``); ``log`` gets the messages about saved work (resumed,
     or discarded because the job or the code changed)."""
-    run = ModelRun(plan, on_row)
+    run = ModelRun(plan, on_row, exl2_together=True)
     try:
         source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from torch import nn
 
 from quantpress.errors import InputError
 
+_MISSING = object()
 HooksFactory = Callable[[int, nn.Module], object]
 OnLayer = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, "LayerContext"], "torch.Tensor | None"]
 
@@ -394,11 +396,12 @@ class StreamingModel:
     def positions(self, seqlen: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """(position_ids int64 [1, seqlen], (cos, sin) ``self.dtype`` [1, seqlen, head_dim]) on
         the device, from the model's own ``rotary_emb`` (cached per seqlen)."""
-        if seqlen not in self._pos:
+        got = self._pos.get(seqlen)  # one lookup: another thread may release() meanwhile
+        if got is None:
             pos = torch.arange(seqlen, device=self.device).unsqueeze(0)
             x = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
-            self._pos[seqlen] = (pos, self.rotary_emb(x, pos))
-        return self._pos[seqlen]
+            got = self._pos[seqlen] = (pos, self.rotary_emb(x, pos))
+        return got
 
     def attention_mask(self, layer_index: int, rows: int, seqlen: int):
         """The attention mask transformers builds for decoder layer ``layer_index`` on a batch
@@ -410,14 +413,16 @@ class StreamingModel:
         types = getattr(self.config, "layer_types", None)
         kind = types[layer_index] if types else "full_attention"
         key = (kind, rows, seqlen)
-        if key not in self._masks:
-            fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            embeds = torch.empty(1, 1, self.hidden_size, dtype=self.dtype,
-                                 device=self.device).expand(rows, seqlen, self.hidden_size)
-            pos, _ = self.positions(seqlen)
-            self._masks[key] = fn(config=self.config, inputs_embeds=embeds, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
-        return self._masks[key]
+        mask = self._masks.get(key, _MISSING)  # one lookup: may be None (sdpa's is_causal)
+        if mask is not _MISSING:
+            return mask
+        fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        embeds = torch.empty(1, 1, self.hidden_size, dtype=self.dtype,
+                             device=self.device).expand(rows, seqlen, self.hidden_size)
+        pos, _ = self.positions(seqlen)
+        mask = self._masks[key] = fn(config=self.config, inputs_embeds=embeds, attention_mask=None,
+                                     past_key_values=None, position_ids=pos)
+        return mask
 
     def layer_kwargs(self, layer_index: int, rows: int, seqlen: int) -> dict:
         """Keyword arguments transformers' model forward passes to decoder layer
@@ -614,12 +619,48 @@ def _remove(handle) -> None:
 # --------------------------------------------------------------------------------------------
 # Several consumers of one reference pass
 
+def side_by_side_threads(device: torch.device | str, consumers: int) -> int:
+    """How many consumers of a shared pass :class:`FanOut` runs at once on ``device``: on CPU,
+    when torch runs its ops on one intra-op thread (``OMP_NUM_THREADS=1``, as in a Ray task
+    given one CPU) and the process may use more cores, up to that many consumers, each on one
+    core; otherwise 1 (in order: torch's own threads already use the cores, and a second
+    thread would make them fight). Every op of a consumer runs on one intra-op thread either
+    way, so what it computes does not depend on this."""
+    if torch.device(device).type != "cpu" or consumers < 2 or torch.get_num_threads() != 1:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(consumers, cores))
+
+
+def private_parameters(layer: nn.Module) -> nn.Module:
+    """A copy of ``layer`` whose parameters are new ``nn.Parameter`` objects over the same
+    storage (no weight is copied; buffers and the config are shared): a consumer may swap
+    ``weight.data`` of its copy (the AWQ grid, the measurement's candidates) while another
+    consumer reads the original."""
+    memo = {id(p): nn.Parameter(p.data, requires_grad=p.requires_grad) for p in layer.parameters()}
+    memo.update({id(b): b for b in layer.buffers()})
+    cfg = getattr(layer, "config", None)
+    if cfg is not None:
+        memo[id(cfg)] = cfg
+    return copy.deepcopy(layer, memo)
+
+
+def _param_ids(layer: nn.Module) -> dict:
+    return {k: (p.data_ptr(), p.dtype, tuple(p.shape)) for k, p in layer.named_parameters()}
+
+
 class FanOut:
     """Several consumers of one streamed pass over the reference (unquantized) hidden states:
     each consumer is an object with optional ``hooks(index, layer)`` (capture hooks, as a
     ``hooks_factory``) and ``on_layer(index, layer, inputs, outputs, ctx)``. Pass
     :meth:`hooks` and :meth:`on_layer` to :func:`run`: every consumer's hooks see the same
-    forward of each layer, then each consumer's ``on_layer`` runs in order.
+    forward of each layer, then the consumers' ``on_layer`` run, in order or side by side
+    (``threads``, default :func:`side_by_side_threads`: on CPU with one intra-op thread, one
+    consumer per free core, each given its own :func:`private_parameters` copy of the layer;
+    a consumer marked ``after_all`` runs alone once the others are done).
 
     Consumers of a shared pass must leave what the others read as they found it: the layer's
     parameters (a consumer that swaps weights restores the original tensors), ``inputs`` and
@@ -627,8 +668,9 @@ class FanOut:
     output). :meth:`on_layer` checks the return value and that the layer's parameters are the
     same tensors afterwards (ValueError naming the consumer otherwise)."""
 
-    def __init__(self, consumers):
+    def __init__(self, consumers, threads: int | None = None):
         self.consumers = list(consumers)
+        self.threads = threads
 
     def hooks(self, index: int, layer: nn.Module) -> list:
         """The consumers' hook handles of layer ``index``, as one list (the engine removes
@@ -676,18 +718,42 @@ class FanOut:
 
     def on_layer(self, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
                  ctx: LayerContext) -> None:
-        """Each consumer's ``on_layer``, in order; returns None."""
-        params = {k: (p.data_ptr(), p.dtype, tuple(p.shape)) for k, p in layer.named_parameters()}
-        for c in self.consumers:
-            f = getattr(c, "on_layer", None)
-            if f is None:
-                continue
-            if f(index, layer, inputs, outputs, ctx) is not None:
-                raise ValueError(f"{type(c).__name__}.on_layer returned hidden states in a shared "
-                                 f"reference pass")
-            now = {k: (p.data_ptr(), p.dtype, tuple(p.shape)) for k, p in layer.named_parameters()}
-            if now != params:
-                changed = sorted(k for k in params if now.get(k) != params[k])
-                raise ValueError(f"{type(c).__name__}.on_layer left decoder layer {index}'s "
-                                 f"parameters {changed[:3]} changed in a shared reference pass")
+        """Each consumer's ``on_layer`` (side by side when :attr:`threads` allows, the first
+        error raised in consumer order), then the ``after_all`` ones; returns None."""
+        calls = [c for c in self.consumers if getattr(c, "on_layer", None) is not None]
+        together = [c for c in calls if not getattr(c, "after_all", False)]
+        threads = self.threads if self.threads is not None else side_by_side_threads(ctx.model.device, len(together))
+        if threads > 1 and len(together) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def call(c, own: nn.Module) -> None:
+                with torch.no_grad():     # grad mode is per thread
+                    self._call(c, index, own, inputs, outputs, ctx)
+
+            copies = [private_parameters(layer) for _ in together]
+            with ThreadPoolExecutor(min(threads, len(together)), initializer=torch.set_num_threads,
+                                    initargs=(1,)) as pool:
+                futures = [pool.submit(call, c, own) for c, own in zip(together, copies)]
+            for f in futures:
+                f.result()
+            del copies
+        else:
+            for c in together:
+                self._call(c, index, layer, inputs, outputs, ctx)
+        for c in calls:
+            if getattr(c, "after_all", False):
+                self._call(c, index, layer, inputs, outputs, ctx)
         return None
+
+    @staticmethod
+    def _call(c, index: int, layer: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
+              ctx: LayerContext) -> None:
+        params = _param_ids(layer)
+        if c.on_layer(index, layer, inputs, outputs, ctx) is not None:
+            raise ValueError(f"{type(c).__name__}.on_layer returned hidden states in a shared "
+                             f"reference pass")
+        now = _param_ids(layer)
+        if now != params:
+            changed = sorted(k for k in params if now.get(k) != params[k])
+            raise ValueError(f"{type(c).__name__}.on_layer left decoder layer {index}'s "
+                             f"parameters {changed[:3]} changed in a shared reference pass")

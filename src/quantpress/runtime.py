@@ -127,30 +127,28 @@ TRIM_KEEP = 256 << 20
 _LAST_TRIM: list[int] = []
 
 
-def anon_rss() -> int | None:
-    """The process's anonymous resident memory (``RssAnon`` of /proc/self/status, bytes; None
-    where there is no such file)."""
+def _proc_kib(path: str, key: str) -> int | None:
+    """The ``key:  N kB`` line of a /proc file, in bytes (None without the file or the line)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def anon_rss() -> int | None:
+    """The process's anonymous resident memory (``RssAnon`` of /proc/self/status, bytes; None
+    where there is no such file)."""
+    return _proc_kib("/proc/self/status", "RssAnon")
 
 
 def available_memory() -> int | None:
     """Memory the system can give without swapping (``MemAvailable`` of /proc/meminfo, bytes;
     None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def trim_heap(*_args, force: bool = False) -> None:

@@ -25,6 +25,7 @@ renames or fuses on load (e.g. MoE experts) are refused with InputError naming t
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -635,6 +636,29 @@ def side_by_side_threads(device: torch.device | str, consumers: int) -> int:
     return max(1, min(consumers, cores))
 
 
+def run_side_by_side(calls: list[Callable[[], None]], threads: int) -> list[BaseException | None]:
+    """Run the ``calls`` in ``threads`` Python threads, each under ``torch.no_grad()`` (grad
+    mode is per thread) with one torch intra-op thread; returns, per call, the exception that
+    stopped it or None, once every call has stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(f: Callable[[], None]) -> None:
+        with torch.no_grad():
+            f()
+
+    with ThreadPoolExecutor(max(1, min(threads, len(calls))), initializer=torch.set_num_threads,
+                            initargs=(1,)) as pool:
+        futures = [pool.submit(one, f) for f in calls]
+    return [f.exception() for f in futures]
+
+
+def raise_first(errors: list[BaseException | None]) -> None:
+    """Raise the first error of :func:`run_side_by_side`'s list, if any."""
+    for e in errors:
+        if e is not None:
+            raise e
+
+
 def private_parameters(layer: nn.Module) -> nn.Module:
     """A copy of ``layer`` whose parameters are new ``nn.Parameter`` objects over the same
     storage (no weight is copied; buffers and the config are shared): a consumer may swap
@@ -724,19 +748,9 @@ class FanOut:
         together = [c for c in calls if not getattr(c, "after_all", False)]
         threads = self.threads if self.threads is not None else side_by_side_threads(ctx.model.device, len(together))
         if threads > 1 and len(together) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            def call(c, own: nn.Module) -> None:
-                with torch.no_grad():     # grad mode is per thread
-                    self._call(c, index, own, inputs, outputs, ctx)
-
-            copies = [private_parameters(layer) for _ in together]
-            with ThreadPoolExecutor(min(threads, len(together)), initializer=torch.set_num_threads,
-                                    initargs=(1,)) as pool:
-                futures = [pool.submit(call, c, own) for c, own in zip(together, copies)]
-            for f in futures:
-                f.result()
-            del copies
+            raise_first(run_side_by_side(
+                [functools.partial(self._call, c, index, private_parameters(layer), inputs, outputs, ctx)
+                 for c in together], threads))
         else:
             for c in together:
                 self._call(c, index, layer, inputs, outputs, ctx)

@@ -44,8 +44,8 @@ CUDA.
 """
 from __future__ import annotations
 
+import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -284,6 +284,10 @@ class Timings:
         """The seconds added since ``other`` was copied (a per-layer share)."""
         return Timings(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
+    def plus(self, other: "Timings") -> "Timings":
+        """Both timings' seconds added (a module measured in another thread)."""
+        return Timings(**{k: v + getattr(other, k) for k, v in vars(self).items()})
+
 
 # --------------------------------------------------------------------------------------------
 # Measurement pass
@@ -350,20 +354,11 @@ class Measurer:
             # reference output): measured side by side, each on its own copy of the layer's
             # parameters, with its own timings
             own = [Timings() for _ in work]
-
-            def measure(j: int) -> None:
-                mode, xm, ym = work[j]
-                with torch.no_grad():
-                    self.measure_module(index, engine.private_parameters(layer), mode, xm, ym, col, ctx,
-                                        timings=own[j])
-
-            with ThreadPoolExecutor(len(work), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                futures = [pool.submit(measure, j) for j in range(len(work))]
-            for f in futures:
-                f.result()
+            engine.raise_first(engine.run_side_by_side(
+                [functools.partial(self.measure_module, index, engine.private_parameters(layer), mode, xm, ym,
+                                   col, ctx, timings=t) for (mode, xm, ym), t in zip(work, own)], len(work)))
             for t in own:
-                for k, v in vars(t).items():
-                    setattr(self.timings, k, getattr(self.timings, k) + v)
+                self.timings = self.timings.plus(t)
         else:
             for mode, xm, ym in work:
                 self.measure_module(index, layer, mode, xm, ym, col, ctx)

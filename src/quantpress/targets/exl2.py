@@ -31,12 +31,12 @@ Stages of the directory:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -436,7 +436,7 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         self.objective_value = a.objective_value if aggregate == "sum" else a.err_max
 
     def pass_bytes(self) -> int:
-        """Working memory of this target's quantization pass (bytes, an upper estimate): two
+        """Working memory of this target's quantization pass (bytes, an estimate): two
         copies of the calibration hidden states, the largest module's output and the
         captured linear inputs of a layer (float32, as large as four copies), and the layer's
         weights three times (float32, fake-quantized copies, GPTQ's float32 work)."""
@@ -470,17 +470,9 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         n = cls.side_by_side(targets) if len(targets) > 1 else 1
         if n <= 1:
             return super().write_together(targets, tmps, runs)
-
-        def one(t: "EXL2Target", tmp: Path, r: Run) -> None:
-            with torch.no_grad():     # grad mode is per thread
-                t.write(tmp, r)
-
-        with ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            futures = [pool.submit(one, t, tmp, r) for t, tmp, r in zip(targets, tmps, runs)]
-        errors = [f.exception() for f in futures]
-        for e in errors:
-            if e is not None and not isinstance(e, Exception):
-                raise e                # KeyboardInterrupt, SystemExit: not an output's failure
+        errors = engine.run_side_by_side([functools.partial(t.write, tmp, r)
+                                          for t, tmp, r in zip(targets, tmps, runs)], n)
+        engine.raise_first([e for e in errors if not isinstance(e, Exception)])   # KeyboardInterrupt...
         return errors
 
     def write(self, tmp: Path, run: Run) -> None:

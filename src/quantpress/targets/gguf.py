@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,7 +342,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         label = "+".join(t.options.policy for t in targets)
         total = sum(len(targets[idx[0]].plan.tensors) for idx in groups.values())
         run = runs[0]
-        t0 = time.perf_counter()
+        before = run.stages.get("quantize+write", 0.0)
         with run.stage("quantize+write"):
             bar = run.bar(None, label, "tensor", total=total)
 
@@ -360,7 +359,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                                     progress=progress)
             finally:
                 bar.close()
-        shared = time.perf_counter() - t0
+        shared = run.stages["quantize+write"] - before
         for r in {id(r): r for r in runs[1:] if r is not run}.values():
             r.stages["quantize+write"] = r.stages.get("quantize+write", 0.0) + shared
 

@@ -33,6 +33,23 @@ from quantpress import assets  # noqa: E402
 BIN = Path(sys.executable).parent
 
 
+def job_text(model: Path, name: str, samples: int, seqlen: int, chunks: int) -> str:
+    """The bench's job file: GGUF Q4_K_M and Q8_0, AWQ w4g64, EXL2 4.0 and 5.0, evaluation on
+    ``chunks`` chunks, on CPU with ``samples`` x ``seqlen`` calibration tokens."""
+    return f"""[defaults]
+device = "cpu"
+calib = {{ samples = {samples}, seqlen = {seqlen} }}
+
+[[model]]
+source = "{model}"
+name = "{name}"
+gguf = ["Q4_K_M", "Q8_0"]
+awq = [{{ group_size = 64 }}]
+exl2 = [{{ bpw = 4.0 }}, {{ bpw = 5.0 }}]
+eval = {{ chunks = {chunks} }}
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=8)
@@ -51,18 +68,7 @@ def main() -> None:
     name = "smollm2"
 
     job = work / "jobs.toml"
-    job.write_text(f"""[defaults]
-device = "cpu"
-calib = {{ samples = {a.samples}, seqlen = {a.seqlen} }}
-
-[[model]]
-source = "{model}"
-name = "{name}"
-gguf = ["Q4_K_M", "Q8_0"]
-awq = [{{ group_size = 64 }}]
-exl2 = [{{ bpw = 4.0 }}, {{ bpw = 5.0 }}]
-eval = {{ chunks = {a.chunks} }}
-""")
+    job.write_text(job_text(model, name, a.samples, a.seqlen, a.chunks))
     batch_wall, batch_rss = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "batch"),
                                      "--quiet", "--force"])
     if a.ray:

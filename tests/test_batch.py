@@ -4,6 +4,7 @@ refused before any work, and a failing output does not stop the batch."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,32 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_llama_dir, ca
     text = capsys.readouterr().out
     assert "one calibration pass (4 x 64 tokens) feeding imatrix, awq, measurement" in text
     assert "make  tiny-EXL2-5.0bpw" in text and "estimated disk" in text
+    assert re.search(r"working memory ~[\d,]+ MiB at its largest \((gguf|calibration pass|EXL2 passes|"
+                     r"EXL2 head|evaluation)\)", text)
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_estimate_adds_what_runs_side_by_side(tmp_path, tiny_llama_dir, monkeypatch):
+    # every stage of the job has a working-memory figure; the passes that run side by side
+    # (one core each) count once per pass, the consumers of the shared pass all together
+    from quantpress.batch.jobfile import estimate, read_jobs
+    from quantpress.calibration import engine
+
+    job = read_jobs(_job(tmp_path / "j.toml", tiny_llama_dir), tmp_path / "out")[0]
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: 1)
+    alone = estimate(job)
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: n)
+    together = estimate(job)
+    assert set(alone["stages"]) == {"gguf", "calibration pass", "EXL2 passes", "EXL2 head", "evaluation"}
+    for e in (alone, together):
+        assert e["peak_memory"] == max(e["stages"].values()) == e["stages"][e["peak_stage"]]
+    assert together["stages"]["EXL2 passes"] == 2 * alone["stages"]["EXL2 passes"]
+    assert together["stages"]["EXL2 head"] == 2 * alone["stages"]["EXL2 head"]
+    assert together["stages"]["calibration pass"] > alone["stages"]["calibration pass"]
+    assert together["stages"]["gguf"] == alone["stages"]["gguf"]
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    head = 4 * cfg["vocab_size"] * cfg["hidden_size"]          # float32, before GPTQ's own
+    assert head < alone["stages"]["EXL2 head"] < 5 * head
 
 
 BAD = [

@@ -335,6 +335,38 @@ def test_targets_of_one_source_fail_alone(models, measured, tmp_path, monkeypatc
     assert list(got[1].summary.stages) == list(alone.stages)
 
 
+def test_passes_side_by_side_only_as_memory_allows(models, measured, tmp_path, monkeypatch):
+    """EXL2 passes run side by side only as far as half the available memory holds their
+    working sets: pass_bytes counts the larger of a layer's and the head's (its float32
+    weight and GPTQ's work, 15 bytes per weight)."""
+    from quantpress.calibration import engine
+    from quantpress.targets import EXL2Options
+    from quantpress.targets import exl2 as xp
+    from quantpress.targets.base import produce_many
+
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: n)
+    free = {"factor": 0}
+    seen = []
+    real = xp.EXL2Target.side_by_side.__func__
+
+    def spy(cls, targets):
+        need = max(t.pass_bytes() for t in targets)
+        head = targets[0].m.sm.head_skeleton()
+        assert need >= 15 * head.in_features * head.out_features
+        monkeypatch.setattr(xp, "available_memory", lambda: free["factor"] * need)
+        seen.append(real(cls, targets))
+        return seen[-1]
+
+    monkeypatch.setattr(xp.EXL2Target, "side_by_side", classmethod(spy))
+    src = make.source(models["llama"])
+    for factor in (4, 3):               # two passes need 2 x need in half the free memory
+        free["factor"] = factor
+        got = produce_many([(EXL2Options(bpw=b, measurement=str(measured)), tmp_path / f"{factor}-{b}")
+                            for b in (3.0, 6.0)], src, progress=False)
+        assert all(o.ok for o in got)
+    assert seen == [2, 1]
+
+
 def test_reuse_skips_measurement_and_roundtrip(outs):
     for bpw, (out, s) in outs.items():
         d = s["details"]

@@ -238,9 +238,13 @@ def test_bitstream_layout(bits):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_reconstruct_hand_built(bits):
-    """Decode with fp16 tensor ops here (q_scale_max down to fp16 subnormals)."""
-    K, N = 69, 40
+@pytest.mark.parametrize("N,chunk", [(40, None), (37, 16)])
+def test_reconstruct_hand_built(bits, N, chunk, monkeypatch):
+    """Decode with fp16 tensor ops here (q_scale_max down to fp16 subnormals); ``chunk``:
+    reconstruct's column chunk (columns 0-15, 16-31, 32-36 of 37, padded to 64)."""
+    K = 69
+    if chunk:
+        monkeypatch.setattr(exl2, "RECONSTRUCT_ELEMENTS", K * chunk)
     qp, q, qs, qsm, invperm = _hand_built(bits, K, N, 32, seed=100 + bits)
     qsm = torch.tensor([3e-3, 2e-5, 6.1e-6], dtype=torch.float16)    # x 2^-8: normal, subnormal, tiny
     t = exl2.pack(q, qs, qsm, invperm, qp)

@@ -258,3 +258,25 @@ def test_scale_search_threads_leave_the_sums_alone():
     finally:
         torch.set_num_threads(saved)
     assert not torch.equal(threaded, ref)
+
+
+def test_scale_search_chunking_leaves_the_sums_alone(monkeypatch):
+    # the chunk budget (_SEARCH_ELEMS_CPU) is a speed setting only: every chunking of the 97
+    # grid points, from one point per chunk to all in one, gives the same E(p) bit for bit
+    # (each E(p) is one whole reduction inside its chunk)
+    from quantpress.quantize import gptq
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(32, 576, generator=g) * 0.02
+    cand = x.abs().amax(dim=0) / 7.5
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        torch.set_num_threads(1)
+        for budget in (x.numel(), 1 << 17, 1 << 18, 1 << 19, 1 << 23):
+            monkeypatch.setattr(gptq, "_SEARCH_ELEMS_CPU", budget)
+            outs.append(scale_search_error(x, cand, 4))
+    finally:
+        torch.set_num_threads(saved)
+    assert outs[0].shape == (97,) and bool((outs[0] > 0).all())
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])

@@ -330,13 +330,38 @@ def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None)
 
 
 def estimate(job: ModelJob) -> dict:
-    """Rough figures for ``--dry-run``: bytes on disk per output and the peak memory (bytes)
-    of the calibrated stages, from the safetensors headers and the config (nothing is read).
-    Peak: one decoder layer in float32 plus two copies of the calibration hidden states plus,
-    for AWQ, the captured inputs of one layer (the memory model of the streaming engine)."""
-    from quantpress.calibration.engine import SafetensorsDir
+    """Rough figures for ``--dry-run``, from the safetensors headers and config.json (no
+    weight is read): ``bytes`` on disk per output path, ``disk`` their sum, and the working
+    memory of each stage the batch will run (``stages``, bytes above what the libraries
+    themselves take), with ``peak_memory`` and ``peak_stage`` its largest. In bytes, float32
+    (the compute dtype on CPU), with E = vocab × hidden × 4 (the embedding / head), W = one
+    decoder layer, X = calibration tokens × hidden × 4, f the MLP width:
+
+    * ``gguf``: the largest tensor in float32, its quantized bytes per policy, and the round
+      trip's float32 chunks (``convert.gguf_file.VERIFY_CHUNK_ELEMENTS``, four copies);
+    * ``calibration pass``: the streaming engine, max(E + X, W + 2X + A) with A one forward
+      batch's temporaries, plus its consumers' working sets, added when
+      :func:`~quantpress.calibration.engine.side_by_side_threads` runs them side by side (this
+      process's threads decide, as they will for the run), else the largest: an AWQ
+      search holds a fake-quantized copy of the layer and its linears' inputs (W + 4X); the
+      EXL2 measurement the layer's four Hessians, and per module (two side by side) one
+      candidate's forward and one batched GPTQ call
+      (``calibration.exl2_measure.GPTQ_BATCH_BYTES``);
+    * ``EXL2 passes``: 6X + 3W per pass (``targets.exl2.EXL2Target.pass_bytes``), times the
+      passes run side by side; ``GPTQ pass``: the same, one at a time;
+    * ``EXL2 head``: the head in float32 plus GPTQ's ≈ 11 bytes per weight (3.75E), per pass;
+    * ``evaluation``: the larger of its two phases: the forward over all chunks (one layer,
+      the chunks' hidden states twice, one batch's temporaries, the base's kept last hidden
+      states and cached head) and the logits (both heads, about ten float32 arrays of one
+      logits batch, ``targets.eval.LOGITS_BUDGET``, counting its float64 copy as two, and
+      both models' kept hidden states)."""
+    from quantpress.calibration.engine import SafetensorsDir, side_by_side_threads
+    from quantpress.calibration.exl2_measure import GPTQ_BATCH_BYTES
     from quantpress.convert import gguf_arch, gguf_policy
+    from quantpress.convert.gguf_file import VERIFY_CHUNK_ELEMENTS
     from quantpress.quantize import ggml
+    from quantpress.runtime import pick_device, rows_per_batch
+    from quantpress.targets.eval import LOGITS_BUDGET
 
     st = SafetensorsDir(job.source)
     shapes = {k: tuple(st.shape(k)) for k in st.keys()}
@@ -344,15 +369,25 @@ def estimate(job: ModelJob) -> dict:
     cfg = gguf_arch.load_hf_config(job.source)
     L = int(cfg["num_hidden_layers"])
     hidden = int(cfg["hidden_size"])
+    ffn = int(cfg.get("intermediate_size") or 4 * hidden)
+    vocab = int(cfg.get("vocab_size") or 0)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
     numel = {k: math.prod(s) for k, s in shapes.items()}
     total = sum(numel.values())
-    layer = [k for k in shapes if ".layers.0." in k]
-    layer_bytes = 4 * sum(numel[k] for k in layer)
+    layer = 4 * sum(numel[k] for k in shapes if ".layers.0." in k)
     linear = sum(numel[k] for k in shapes if ".layers." in k and k.endswith("proj.weight"))
+    emb = 4 * vocab * hidden
     rows, seqlen = job.calib.samples, job.calib.seqlen
-    hstates = 2 * rows * seqlen * hidden * 4
+    tokens = rows * seqlen
+    batch = min(rows, rows_per_batch(job.compute.batch_tokens, seqlen)) * seqlen
+    acts = 4 * batch * (3 * ffn + 4 * hidden)
+
     sizes: dict[str, int] = {}
-    calibrated = False
+    stages: dict[str, int] = {}
+    consumers: list[int] = []
+    exl2 = 0
+    gguf_out = 0
     for o in job.outputs:
         if o.kind == "gguf":
             try:
@@ -360,26 +395,65 @@ def estimate(job: ModelJob) -> dict:
                 names = [(gguf_arch.gguf_tensor_name(k, arch, n_layers=L), s) for k, s in shapes.items()
                          if not gguf_arch.is_skipped_tensor(k)]
                 params = gguf_policy.ModelParams(
-                    arch=arch, n_layer=L, n_head=int(cfg["num_attention_heads"]),
-                    n_head_kv=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+                    arch=arch, n_layer=L, n_head=heads,
+                    n_head_kv=int(cfg.get("num_key_value_heads") or heads),
                     n_expert=0, has_output=any(n == "output.weight" for n, _ in names))
                 types = gguf_policy.plan_types(o.options.policy, names, params)
-                sizes[o.path] = sum(math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names)
+                row_bytes = {n: math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names}
+                sizes[o.path] = sum(row_bytes.values())
+                gguf_out += max(row_bytes.values())
             except Exception:  # an estimate only: fall back to F16 size
                 sizes[o.path] = 2 * total
+                gguf_out += 2 * max(numel.values())
         elif o.kind in ("awq", "gptq"):   # packed codes + a scale and zero point per group
             g = o.options.group_size if o.options.group_size > 0 else 1 << 30  # -1: per column
             sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
-            calibrated |= not o.options.rtn
+            if o.kind == "gptq":          # its own pass over its quantized stream, like EXL2's
+                stages["GPTQ pass"] = 6 * 4 * tokens * hidden + 3 * layer
+            elif not o.options.rtn:
+                consumers.append(layer + 16 * tokens * hidden)
         elif o.kind == "fp8":
             sizes[o.path] = int(linear + 2 * (total - linear))
-            calibrated |= o.options.scheme == "static"
+            if o.options.scheme == "static":
+                consumers.append(16 * tokens * hidden)
         elif o.kind == "exl2":
             sizes[o.path] = int(linear * o.options.bpw / 8 + 2 * (total - linear))
-            calibrated = True
+            exl2 += 1
         elif o.kind in ("imatrix", "measurement"):
             sizes[o.path] = 8 * 7 * hidden * L if o.kind == "imatrix" else 40_000 * L
-            calibrated = True
-    capture = rows * seqlen * 4 * 4 * hidden if calibrated else 0
-    peak = layer_bytes + (hstates if calibrated else 0) + capture
-    return {"bytes": sizes, "disk": sum(sizes.values()), "peak_memory": peak}
+            if o.kind == "imatrix":
+                consumers.append(0)
+            else:
+                hess = 4 * (2 * hidden * hidden + (heads * head_dim) ** 2 + ffn * ffn)
+                module = 4 * min(tokens, 4096) * (4 * ffn + 4 * hidden) + GPTQ_BATCH_BYTES
+                consumers.append(layer + hess + 2 * module)
+    device = pick_device(job.compute.device)
+    if gguf_out:
+        stages["gguf"] = 4 * max(numel.values()) + gguf_out + 4 * 4 * VERIFY_CHUNK_ELEMENTS
+    if consumers:
+        together = side_by_side_threads(device, len(consumers)) > 1
+        stream = max(emb + 4 * tokens * hidden, layer + 8 * tokens * hidden + acts)
+        stages["calibration pass"] = stream + (sum(consumers) if together else max(consumers))
+    if exl2:
+        n = side_by_side_threads(device, exl2)
+        stages["EXL2 passes"] = n * (6 * 4 * tokens * hidden + 3 * layer)
+        stages["EXL2 head"] = n * (emb + 11 * vocab * hidden)
+    if job.eval is not None:
+        ctx = job.eval.ctx
+        scored = ctx // 2
+        # all chunks of the text: the held-out split is 58,368 tokens (114 chunks of 512);
+        # another text about one token per 4 bytes
+        try:
+            text_tokens = 58_368 if job.eval.text is None else Path(job.eval.text).stat().st_size // 4
+        except OSError:
+            text_tokens = 58_368
+        n_chunks = job.eval.chunks or max(1, text_tokens // ctx)
+        logit_rows = max(1, LOGITS_BUDGET // max(1, 4 * scored * vocab))
+        logits = 4 * logit_rows * scored * vocab
+        kept = 4 * n_chunks * scored * hidden      # one model's last hidden states, scored half
+        eval_acts = 4 * min(n_chunks, rows_per_batch(job.compute.batch_tokens, ctx)) * ctx * (3 * ffn + 4 * hidden)
+        forward = layer + 8 * n_chunks * ctx * hidden + eval_acts + kept + emb
+        stages["evaluation"] = max(forward, 2 * emb + 10 * logits + 2 * kept)
+    peak_stage = max(stages, key=stages.get) if stages else None
+    return {"bytes": sizes, "disk": sum(sizes.values()), "stages": stages,
+            "peak_memory": stages.get(peak_stage, 0), "peak_stage": peak_stage}

@@ -466,7 +466,8 @@ def run_plans(plans: list[ModelPlan], progress: bool = True,
 
 def plan_text(plans: list[ModelPlan]) -> str:
     """The ``--dry-run`` plan: per model, its stages, each output (to make or kept, estimated
-    size) and the estimated disk and peak memory."""
+    size), the estimated disk and the largest stage's working memory
+    (:func:`~quantpress.batch.jobfile.estimate`)."""
     from quantpress.batch.jobfile import estimate
 
     lines = []
@@ -497,6 +498,7 @@ def plan_text(plans: list[ModelPlan]) -> str:
         for o in j.outputs:
             state = "kept" if o in p.keep else "make"
             lines.append(f"  {state}  {o.path:<40} ~{est['bytes'][o.path] / 2 ** 20:,.1f} MiB")
-        lines.append(f"  estimated disk ~{est['disk'] / 2 ** 20:,.1f} MiB, peak memory "
-                     f"~{est['peak_memory'] / 2 ** 20:,.0f} MiB (calibrated stages)")
+        peak = (f"working memory ~{est['peak_memory'] / 2 ** 20:,.0f} MiB at its largest ({est['peak_stage']}), "
+                f"above the libraries' own" if est["peak_stage"] else "no working memory to speak of")
+        lines.append(f"  estimated disk ~{est['disk'] / 2 ** 20:,.1f} MiB; {peak}")
     return "\n".join(lines)

@@ -378,6 +378,11 @@ def _fp16_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(torch.float32) * b.to(torch.float32)).to(torch.float16)
 
 
+#: Weights per column chunk of :func:`reconstruct` (its int64 temporaries: about 4 of this many
+#: elements, 8 bytes each)
+RECONSTRUCT_ELEMENTS = 1 << 21
+
+
 def reconstruct(q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor,
                 q_groups: torch.Tensor, q_invperm: torch.Tensor, out_features: int) -> torch.Tensor:
     """Dequantize EXL2 tensors to the fp16 weight [out_features, K] (K = len(q_invperm)).
@@ -394,7 +399,9 @@ def reconstruct(q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torc
       sits at bit j·b of the column's little-endian stream;
     * W'[row] = fp16(v - 2^(b-1)) × scale[g] (fp16 multiply); weight = W'[q_invperm].T[:N].
 
-    The bias is not added. Raises ValueError when the tensors are inconsistent.
+    Works through the columns in chunks of about :data:`RECONSTRUCT_ELEMENTS` weights, so its
+    working memory is a few such chunks beside the fp16 result, whatever N. The bias is not
+    added. Raises ValueError when the tensors are inconsistent.
     """
     dev = q_weight.device
     K = int(q_invperm.numel())
@@ -418,25 +425,39 @@ def reconstruct(q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torc
     if bool((rows <= 0).any()) or bool((words[:-1] * 32 % bits[:-1] != 0).any()):
         raise ValueError("reconstruct: q_groups offsets do not describe whole groups of K rows")
 
-    # Unpack: each row's value from its two candidate words.
+    # Per row: its group, bit width, first word and bit offset in the column's stream.
     row_group = torch.repeat_interleave(torch.arange(G, device=dev), rows)
     row_start = torch.cumsum(rows, 0) - rows
     b = bits[row_group]
     j = torch.arange(K, device=dev) - row_start[row_group]
     w = off[row_group] + (j * b) // 32
     o = (j * b) % 32
-    qw = torch.cat([_as_uint32(q_weight), torch.zeros((1, n_cols), dtype=torch.int64, device=dev)])
-    pair = qw[w] | (qw[w + 1] << 32)
-    v = (pair >> o[:, None]) & ((1 << b) - 1)[:, None]               # [K, n_cols]
-
-    # Scales in fp16.
-    nib = (_as_uint32(q_scale)[:, :, None] >> (4 * torch.arange(8, device=dev))) & 15
-    c = nib.reshape(G, n_cols)
+    mask = ((1 << b) - 1)[:, None]
+    zero = (1 << (b - 1))[:, None]
     smax = (q_scale_max.to(torch.float32) * 2.0**-8).to(torch.float16)  # exact product, one rounding
-    scale = _fp16_mul(((c + 1) ** 2).to(torch.float16), smax[:, None])  # [G, n_cols]
+    invperm = q_invperm.to(torch.int64)
+    shifts = 4 * torch.arange(8, device=dev)
+    pad = torch.zeros((1, 1), dtype=torch.int64, device=dev)
 
-    wp = _fp16_mul((v - (1 << (b - 1))[:, None]).to(torch.float16), scale[row_group])
-    return wp[q_invperm.to(torch.int64)].T[:out_features].contiguous()
+    # Columns a chunk at a time (a multiple of 8: one q_scale word holds 8 columns' scales),
+    # so the int64 temporaries stay near RECONSTRUCT_ELEMENTS elements whatever the width
+    # (a 49,152-column head at K = 576 would otherwise hold about 1 GB of them); only the
+    # first out_features columns are made. Each column's arithmetic is the same either way.
+    out = torch.empty((out_features, K), dtype=torch.float16, device=dev)
+    step = max(8, RECONSTRUCT_ELEMENTS // max(1, K) // 8 * 8)
+    for c0 in range(0, out_features, step):
+        c1 = min(out_features, c0 + step)
+        ce = min(n_cols, -(-c1 // 8) * 8)
+        qw = _as_uint32(q_weight[:, c0:ce])
+        qw = torch.cat([qw, pad.expand(1, ce - c0)])
+        pair = qw[w] | (qw[w + 1] << 32)
+        v = (pair >> o[:, None]) & mask                                   # [K, columns]
+        nib = (_as_uint32(q_scale[:, c0 // 8:ce // 8])[:, :, None] >> shifts) & 15
+        c = nib.reshape(G, ce - c0)
+        scale = _fp16_mul(((c + 1) ** 2).to(torch.float16), smax[:, None])  # [G, columns] fp16
+        wp = _fp16_mul((v - zero).to(torch.float16), scale[row_group])
+        out[c0:c1] = wp[invperm].T[:c1 - c0]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

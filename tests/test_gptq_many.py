@@ -261,7 +261,7 @@ def test_scale_search_threads_leave_the_sums_alone():
 
 
 def test_scale_search_chunking_leaves_the_sums_alone(monkeypatch):
-    # the chunk budget (_SEARCH_ELEMS_CPU) is a speed setting only: every chunking of the 97
+    # the chunk budget (SEARCH_ELEMENTS_CPU) is a speed setting only: every chunking of the 97
     # grid points, from one point per chunk to all in one, gives the same E(p) bit for bit
     # (each E(p) is one whole reduction inside its chunk)
     from quantpress.quantize import gptq
@@ -273,7 +273,7 @@ def test_scale_search_chunking_leaves_the_sums_alone(monkeypatch):
     try:
         torch.set_num_threads(1)
         for budget in (x.numel(), 1 << 17, 1 << 18, 1 << 19, 1 << 23):
-            monkeypatch.setattr(gptq, "_SEARCH_ELEMS_CPU", budget)
+            monkeypatch.setattr(gptq, "SEARCH_ELEMENTS_CPU", budget)
             outs.append(scale_search_error(x, cand, 4))
     finally:
         torch.set_num_threads(saved)

@@ -35,9 +35,9 @@ MAX_ATTEMPTS = 10
 MIN_P, MAX_P, P_GRID, ERR_NORM = 0.70, 1.20, 96, 3.5
 #: Elements per scale-search chunk ([p, rows, N] float32 scratch): on CPU 2^19 (2 MiB each,
 #: they stay in cache: 3-4x faster than 2^23 on a 2-core AMD EPYC, and the same sums bit for
-#: bit, checked for chunks of 2^17..2^23); elsewhere 2^23 (fewer kernel launches).
-_SEARCH_ELEMS_CPU = 1 << 19
-_SEARCH_ELEMS = 1 << 23
+#: bit for every chunking: tests/test_gptq_many.py); elsewhere 2^23 (fewer kernel launches).
+SEARCH_ELEMENTS_CPU = 1 << 19
+SEARCH_ELEMENTS = 1 << 23
 
 
 @dataclass
@@ -131,7 +131,7 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
     if grid is None:
         grid = p_grid(x.device)
     z = float(1 << (bits - 1))
-    budget = _SEARCH_ELEMS_CPU if x.device.type == "cpu" else _SEARCH_ELEMS
+    budget = SEARCH_ELEMENTS_CPU if x.device.type == "cpu" else SEARCH_ELEMENTS
     rn, P = x.numel(), grid.numel()
     per = min(P, max(1, budget // max(1, rn)))
     # two scratch buffers for all chunks (fresh temporaries per op cost page faults: 2-3x)

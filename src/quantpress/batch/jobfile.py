@@ -347,9 +347,9 @@ def estimate(job: ModelJob) -> dict:
       EXL2 measurement the layer's four Hessians, and per module (two side by side) one
       candidate's forward and one batched GPTQ call
       (``calibration.exl2_measure.GPTQ_BATCH_BYTES``);
-    * ``EXL2 passes``: 6X + 3W per pass (``targets.exl2.EXL2Target.pass_bytes``), times the
-      passes run side by side; ``GPTQ pass``: the same, one at a time;
-    * ``EXL2 head``: the head in float32 plus GPTQ's ≈ 11 bytes per weight (3.75E), per pass;
+    * ``EXL2 passes`` and ``EXL2 head``: :func:`quantpress.targets.exl2.pass_memory` (6X + 3W
+      per pass; 3.75E per head), times the passes run side by side; ``GPTQ pass``: its layer
+      part, one pass at a time;
     * ``evaluation``: the larger of its two phases: the forward over all chunks (one layer,
       the chunks' hidden states twice, one batch's temporaries, the base's kept last hidden
       states and cached head) and the logits (both heads, about ten float32 arrays of one
@@ -362,6 +362,7 @@ def estimate(job: ModelJob) -> dict:
     from quantpress.quantize import ggml
     from quantpress.runtime import pick_device, rows_per_batch
     from quantpress.targets.eval import LOGITS_BUDGET
+    from quantpress.targets.exl2 import pass_memory
 
     st = SafetensorsDir(job.source)
     shapes = {k: tuple(st.shape(k)) for k in st.keys()}
@@ -409,7 +410,7 @@ def estimate(job: ModelJob) -> dict:
             g = o.options.group_size if o.options.group_size > 0 else 1 << 30  # -1: per column
             sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
             if o.kind == "gptq":          # its own pass over its quantized stream, like EXL2's
-                stages["GPTQ pass"] = 6 * 4 * tokens * hidden + 3 * layer
+                stages["GPTQ pass"] = pass_memory(tokens, hidden, layer // 4, 0)[0]
             elif not o.options.rtn:
                 consumers.append(layer + 16 * tokens * hidden)
         elif o.kind == "fp8":
@@ -436,8 +437,8 @@ def estimate(job: ModelJob) -> dict:
         stages["calibration pass"] = stream + (sum(consumers) if together else max(consumers))
     if exl2:
         n = side_by_side_threads(device, exl2)
-        stages["EXL2 passes"] = n * (6 * 4 * tokens * hidden + 3 * layer)
-        stages["EXL2 head"] = n * (emb + 11 * vocab * hidden)
+        layers, head = pass_memory(tokens, hidden, layer // 4, vocab * hidden)
+        stages["EXL2 passes"], stages["EXL2 head"] = n * layers, n * head
     if job.eval is not None:
         ctx = job.eval.ctx
         scored = ctx // 2

@@ -232,6 +232,18 @@ def _setting_text(option: dict, names) -> str:
     return ", ".join(f"{n.split('_')[0]} {qexl2.QParams.from_dict(option[n])}" for n in names)
 
 
+def pass_memory(tokens: int, hidden_size: int, layer_weights: int, head_weights: int) -> tuple[int, int]:
+    """Working memory (bytes, an estimate) of one quantization pass over a quantized stream
+    (EXL2's; GPTQ's holds the same per layer) as (decoder layers, head): per layer two copies
+    of the calibration hidden states, the largest module's output and the captured linear
+    inputs (float32, as large as four copies: 6 × tokens × hidden_size × 4) and the layer's
+    weights three times (float32, fake-quantized copies, GPTQ's float32 work: 12 bytes per
+    weight); the head its weight in float32 plus GPTQ's ≈ 11 bytes per weight (15 bytes per
+    weight; SmolLM2's 49,152 × 576 head 405 MiB; ``scripts/batch_memory.py`` measures 868–930
+    MiB for two passes' heads side by side)."""
+    return 24 * tokens * hidden_size + 12 * layer_weights, 15 * head_weights
+
+
 # --------------------------------------------------------------------------------------------
 # The round trip
 
@@ -436,19 +448,13 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
         self.objective_value = a.objective_value if aggregate == "sum" else a.err_max
 
     def pass_bytes(self) -> int:
-        """Working memory of this target's quantization pass (bytes, an estimate), the larger
-        of its two parts: the decoder layers (two copies of the calibration hidden states, the
-        largest module's output and the captured linear inputs of a layer, float32, as large
-        as four copies, and the layer's weights three times: float32, fake-quantized copies,
-        GPTQ's float32 work) and the head (its weight in float32 plus GPTQ's ≈ 11 bytes per
-        weight: 15 bytes per weight; for SmolLM2's 49,152 × 576 head 405 MiB, measured
-        432 MiB a pass with two passes side by side)."""
+        """Working memory of this target's quantization pass (bytes, an estimate): the larger
+        of the two parts of :func:`pass_memory`."""
         m = self.m
         rows, seqlen = (int(v) for v in m.rows.shape)
-        hidden = rows * seqlen * m.sm.hidden_size * 4
-        layer = 4 * sum(inp * out for inp, out, _ in m.shapes.values())   # one decoder layer
         head = m.sm.head_skeleton()
-        return max(6 * hidden + 3 * layer, 15 * head.in_features * head.out_features)
+        return max(pass_memory(rows * seqlen, m.sm.hidden_size, sum(inp * out for inp, out, _ in m.shapes.values()),
+                               head.in_features * head.out_features))
 
     @classmethod
     def side_by_side(cls, targets: list["EXL2Target"]) -> int:

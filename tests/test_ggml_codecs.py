@@ -142,6 +142,73 @@ def test_slicing_does_not_change_bytes(inputs, name, monkeypatch):
     assert np.array_equal(_ours(x, name), ref)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q3_K", "Q4_K", "Q6_K"])
+def test_threads_do_not_change_bytes(inputs, name, monkeypatch):
+    """Slices dealt to the codec pool's threads (three lanes, small slices so that every lane
+    gets several, ragged last slice) give llama.cpp's bytes, and the pool did take part (the
+    suite otherwise runs on one torch thread, where no slice leaves the calling thread; a pool
+    thread may run two lanes one after the other)."""
+    import threading
+
+    x = np.concatenate([inputs["fuzz_rows"][:37], inputs["edge_rows"]])
+    ref = ggml_ref.ref_quantize(x, name)
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 256 * 5)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS", 256)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 256)
+    lanes = set()
+    real_get = qg.get
+
+    def spying_get(type_name):
+        t = real_get(type_name)
+        inner = t.quantize_blocks.__wrapped__
+
+        def spy(blocks):
+            lanes.add(threading.current_thread().name)
+            return inner(blocks)
+        search = t.name.endswith("_K")
+        return qg.GGMLType(t.name, t.block_size, t.type_size,
+                           common.sliced(spy, search=search), t.dequantize_blocks)
+    monkeypatch.setattr(qg, "get", spying_get)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = _ours(x, name)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(got, ref)
+    assert threading.current_thread().name in lanes and len(lanes) >= 2, lanes
+
+
+def test_thread_counts_are_per_thread():
+    """single_threaded_ops in one thread leaves another thread's torch thread count alone
+    (torch's count is per thread), also while it is held."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    held, release, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with common.single_threaded_ops() as was:
+            seen.append((was, torch.get_num_threads()))
+            held.set()
+            release.wait(10)
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        held.wait(10)
+        seen.append(torch.get_num_threads())
+        with common.single_threaded_ops() as was:
+            with common.single_threaded_ops() as inner:     # nested: the outermost count
+                seen.append((was, inner, torch.get_num_threads()))
+        seen.append(torch.get_num_threads())
+        release.set()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen[1:] == [2, (2, 2, 1), 2] and seen[0][1] == 1
+
+
 # ----------------------------------------------------------------------------- dequantize
 
 @pytest.mark.parametrize("name", TYPES)

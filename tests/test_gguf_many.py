@@ -106,9 +106,13 @@ def test_together_is_byte_identical_and_reads_once_per_order(prepared, tmp_path,
     run = Run(progress=False)
     tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
     GGUFTarget.write_together(targets, tmps, [run] * len(targets))
-    assert list(run.stages) == ["quantize+write"]
+    assert list(run.stages) == ["quantize+write", "verify (beside writing)"]
     for p, f in zip(POLICIES, tmps):
         assert _sha(f) == singles[p], f"{p}: differs from a single produce()"
+    # each file's round trip ran beside the writing, on the tensors as read for it (the
+    # counts below: no second read of the source)
+    for t in targets:
+        assert t.roundtrip.ok and [r.name for r in t.roundtrip.tensors] == [st.name for st in t.plan.tensors]
     for idx in groups.values():
         names = targets[idx[0]].plan.tensors
         assert all(calls[idx[0], st.name] == 1 for st in names)  # once per group ...
@@ -159,6 +163,47 @@ def test_nan_names_tensor_and_closes_every_writer(prepared, tmp_path, monkeypatc
     assert len(_TrackedWriter.made) == 3
     assert all(w.fout is None for w in _TrackedWriter.made)
     assert not tmps[3].exists()
+    # and the round trips that ran beside them have ended
+    import threading
+    assert not [t for t in threading.enumerate() if t.name == "quantpress-roundtrip"]
+
+
+def test_round_trip_beside_writing_equals_one_after_it(prepared, tmp_path):
+    """The round trip run beside the writing (each tensor checked against the source tensor
+    the writer read) reports exactly what verify_gguf reports re-reading the finished file
+    and the source afterwards, tensor for tensor (both on one torch thread, as the checking
+    thread runs: the error sums' rounding depends on the thread count)."""
+    from quantpress.quantize.ggml.common import single_threaded_ops
+
+    targets = _fresh(prepared, ["Q4_K_M", "Q8_0"])
+    tmps = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * 2)
+    for t, f in zip(targets, tmps):
+        with single_threaded_ops():
+            after = gguf_file.verify_gguf(f, t.plan.tensors, t.plan.types, torch.device("cpu"))
+        assert t.roundtrip.ok and after.ok
+        assert t.roundtrip.tensors == after.tensors
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # gguf-py decoding the shifted bytes
+def test_a_file_longer_than_its_tensor_infos_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch):
+    """Bytes the tensor infos do not account for (64 after the third tensor: every later
+    tensor's data is shifted, which both dequantizers decode alike) fail the round trip on the
+    file's size: exit 3, nothing left."""
+    from quantpress.cli.convert_main import main as convert_main
+
+    real = gguf_file.GGUFWriter.write_tensor_data
+    calls = []
+
+    def longer(self, tensor, *a, **kw):
+        real(self, tensor, *a, **kw)
+        calls.append(1)
+        if len(calls) == 3:
+            self.fout[0].write(b"\0" * 64)
+    monkeypatch.setattr(gguf_file.GGUFWriter, "write_tensor_data", longer)
+    out = tmp_path / "o.gguf"
+    code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q8_0", "-o", str(out), "--quiet"])
+    assert code == 3 and not list(tmp_path.iterdir())
 
 
 def test_mismatched_plans_are_refused(prepared, tmp_path):

@@ -303,7 +303,10 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         over the loaders of its first target, so each source tensor is read once per group
         and encoded once per distinct ggml type. Stage "quantize+write", one progress bar
         over every tensor of every group, labelled with the policies joined by "+", timed in
-        ``runs[0]`` and added to the other runs (the targets share it).
+        ``runs[0]`` and added to the other runs (the targets share it). Each file's round
+        trip runs beside the writing (``write_gguf_many(verify=True)``, checking each tensor
+        against the source tensor just read); :meth:`verify` then reports it, and each run
+        gets the checking thread's seconds as stage "verify (beside writing)".
 
         Raises ValueError when the lists differ in length or are empty, a target is not
         prepared, the targets are not of one source path, or the plans of a group differ in
@@ -355,18 +358,29 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                     first = targets[idx[0]]
                     files = [(tmps[i], targets[i].plan.kvs, targets[i].plan.types, targets[i].plan.imatrix)
                              for i in idx]
-                    write_gguf_many(files, first.plan.arch, first.plan.tensors, first.device,
-                                    progress=progress)
+                    trips = write_gguf_many(files, first.plan.arch, first.plan.tensors, first.device,
+                                            progress=progress, verify=True)
+                    for i, trip in zip(idx, trips):
+                        targets[i].roundtrip = trip
             finally:
                 bar.close()
         shared = run.stages["quantize+write"] - before
         for r in {id(r): r for r in runs[1:] if r is not run}.values():
             r.stages["quantize+write"] = r.stages.get("quantize+write", 0.0) + shared
+        for t, r in zip(targets, runs):
+            key = "verify (beside writing)"
+            r.stages[key] = r.stages.get(key, 0.0) + t.roundtrip.seconds
+
+    roundtrip: RoundTrip | None = None
 
     def verify(self, tmp: Path, run: Run) -> str:
+        """The round trip run beside :meth:`write_together` (or, for a file written without
+        it, :func:`quantpress.convert.gguf_file.verify_gguf` now): RoundTripError on any
+        mismatch."""
         pl = self.plan
-        self.roundtrip: RoundTrip = verify_gguf(tmp, pl.tensors, pl.types, self.device,
-                                                progress=lambda it: run.bar(it, "verify", "tensor"))
+        if self.roundtrip is None:
+            self.roundtrip = verify_gguf(tmp, pl.tensors, pl.types, self.device,
+                                         progress=lambda it: run.bar(it, "verify", "tensor"))
         rt = self.roundtrip
         if not rt.ok:
             raise RoundTripError("round-trip check failed, no output written: "

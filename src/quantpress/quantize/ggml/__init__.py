@@ -23,9 +23,11 @@ from gguf import GGMLQuantizationType
 
 from .common import fdiv
 
-# elements processed per chunk by quantize()/dequantize(): bounds the temporaries of the
-# search-based K-quants (a handful of float32 copies of the chunk) independently of the
-# tensor size. Whole rows only, so results do not depend on the chunking.
+# elements processed per chunk by quantize()/dequantize() off the CPU: bounds the temporaries
+# of the search-based K-quants (a handful of float32 copies of the chunk) independently of
+# the tensor size. On the CPU the codecs cut their input into cache-sized slices themselves
+# (common.map_block_slices), so a tensor is one chunk there (its slices then share out evenly
+# over the threads). Whole rows only, so results do not depend on the chunking.
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -94,7 +96,9 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def _rows_per_chunk(n: int) -> int:
+def _rows_per_chunk(n: int, rows: int, device: torch.device) -> int:
+    if device.type == "cpu":
+        return max(1, rows)
     return max(1, CHUNK_ELEMENTS // max(1, n))
 
 
@@ -131,7 +135,7 @@ def quantize(x: torch.Tensor, name: str, imatrix: torch.Tensor | None = None) ->
         if imatrix.shape != (n,):
             raise ValueError(f"{name}: imatrix has shape {tuple(imatrix.shape)}, expected ({n},)")
         qw = imatrix.to(device=x.device, dtype=torch.float32).reshape(1, n)
-    step = _rows_per_chunk(n)
+    step = _rows_per_chunk(n, rows.shape[0], x.device)
     bpr = n // t.block_size
     for r0 in range(0, rows.shape[0], step):
         chunk = rows[r0:r0 + step].to(torch.float32)
@@ -159,7 +163,7 @@ def dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
     n = nbytes // t.type_size * t.block_size
     rows = raw.reshape(-1, nbytes)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32, device=raw.device)
-    step = _rows_per_chunk(n)
+    step = _rows_per_chunk(n, rows.shape[0], raw.device)
     for r0 in range(0, rows.shape[0], step):
         chunk = rows[r0:r0 + step].reshape(-1, t.type_size)
         out[r0:r0 + step] = t.dequantize_blocks(chunk).reshape(-1, n)

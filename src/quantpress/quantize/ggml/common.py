@@ -168,35 +168,45 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 
 
 # Elements per slice for the block codecs on CPU: the codecs keep several float32 copies
-# of their input alive, and slices of 2**18 elements (1 MiB each) keep that working set in
-# cache, which makes the many elementwise passes several times faster than on whole
-# 4M-element chunks. Results do not depend on the slicing (blocks are independent).
-CPU_SLICE_ELEMENTS = 1 << 18
+# of their input alive, and slices of 2**19 elements (2 MiB each) keep that working set in
+# the shared cache while each elementwise op is long enough that its Python dispatch (which
+# holds the GIL) stays small next to its work: on a 2-core AMD EPYC, Q4_K took 227 ms for
+# 6.3 M weights with 2**19 on two threads against 308 ms with 2**18 and 361 ms with 2**21.
+# Results do not depend on the slicing (blocks are independent).
+CPU_SLICE_ELEMENTS = 1 << 19
+# Below this many elements a codec call runs on the calling thread alone: handing a slice to
+# another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 2.1 ms alone,
+# 3.1 ms on two threads). The search-based codecs (K-quants, i-quants) spend 5-10x longer per
+# element, so they share out from CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
+CPU_PARALLEL_ELEMENTS = 1 << 20
+CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 
 
-_threads_lock = threading.Lock()
-_threads_users = 0
-_threads_saved = 1
+_threads_local = threading.local()
+# torch gives a thread its intra-op thread count at the thread's first use of it, from the
+# count last set by any thread: have the importing (main) thread take the process's count now,
+# before some other thread's single_threaded_ops sets 1.
+torch.get_num_threads()
 
 
 @contextlib.contextmanager
 def single_threaded_ops():
-    """Set torch's intra-op threads to 1 while any codec call is running (concurrent
-    calls share one save/restore), yielding the thread count in effect before."""
-    global _threads_users, _threads_saved
-    with _threads_lock:
-        if _threads_users == 0:
-            _threads_saved = torch.get_num_threads()
+    """Run torch's ops on one intra-op thread in the calling thread while the block runs,
+    yielding the thread count in effect before (for nested blocks, the count before the
+    outermost). torch's count is per thread (the OpenMP setting of the calling thread), so
+    blocks in other threads neither see nor undo this one."""
+    depth = getattr(_threads_local, "depth", 0)
+    if depth == 0:
+        _threads_local.saved = torch.get_num_threads()
+        if _threads_local.saved != 1:
             torch.set_num_threads(1)
-        _threads_users += 1
-        saved = _threads_saved
+    _threads_local.depth = depth + 1
     try:
-        yield saved
+        yield _threads_local.saved
     finally:
-        with _threads_lock:
-            _threads_users -= 1
-            if _threads_users == 0:
-                torch.set_num_threads(_threads_saved)
+        _threads_local.depth = depth
+        if depth == 0 and _threads_local.saved != 1:
+            torch.set_num_threads(_threads_local.saved)
 
 
 @contextlib.contextmanager
@@ -216,42 +226,94 @@ def intra_op_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def map_block_slices(fn, x: torch.Tensor, *more) -> torch.Tensor:
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_local = threading.local()
+
+
+def _pool_worker_init() -> None:
+    torch.set_num_threads(1)
+    _pool_local.worker = True
+
+
+def _codec_pool(workers: int) -> ThreadPoolExecutor:
+    """The process's codec thread pool with at least ``workers`` threads, made once and kept
+    (a fresh thread's first torch ops are slow: a new pool per call cost ~8 ms, more than a
+    small tensor's whole quantization); each thread runs torch ops single-threaded."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="quantpress-codec",
+                                                   initializer=_pool_worker_init)
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+@contextlib.contextmanager
+def serial_codecs():
+    """Within the block, codec calls made by this thread run their slices on this thread alone
+    (as calls from the codec pool's own threads do), leaving the pool to other callers: for
+    work done beside a quantization, such as a round trip's dequantization."""
+    before = getattr(_pool_local, "worker", False)
+    _pool_local.worker = True
+    try:
+        yield
+    finally:
+        _pool_local.worker = before
+
+
+def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
     ``more``: further arguments of ``fn``; tensors among them are [nb, ...] and sliced along
     with ``x`` (None and other values are passed as they are).
     Other devices: ``fn(x, *more)`` once. CPU: the rows are cut into slices of about
-    :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated. The codecs issue
-    thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading costs
-    more than it brings (and stalls badly on a busy machine), so ops run single-threaded and
-    the slices are spread over as many Python threads as torch had intra-op threads (torch
-    releases the GIL inside ops). torch's thread setting is restored on return.
+    :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated in order. The codecs
+    issue thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading
+    costs more than it brings (and stalls badly on a busy machine), so ops run single-threaded
+    and, from :data:`CPU_PARALLEL_ELEMENTS` elements up, the slices are dealt round-robin to as
+    many threads as torch had intra-op threads: the calling thread and the threads of one
+    persistent pool (torch releases the GIL inside ops); ``search``: ``fn`` is a search-based
+    codec, shared out from :data:`CPU_PARALLEL_ELEMENTS_SEARCH`. A call made from a pool thread
+    runs its slices itself. torch's thread setting is restored on return.
     """
     if x.device.type != "cpu":
         return fn(x, *more)
     nb, k = x.shape
-    step = max(1, CPU_SLICE_ELEMENTS // max(1, k))
-    starts = range(0, nb, step)
 
-    def part(i: int) -> torch.Tensor:
+    def part(i: int, step: int) -> torch.Tensor:
         args = [m[i:i + step] if isinstance(m, torch.Tensor) else m for m in more]
         return fn(x[i:i + step], *args)
 
     with single_threaded_ops() as threads:
-        workers = min(threads, len(starts))
-        if workers > 1:
-            with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                outs = list(pool.map(part, starts))
+        per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice
+        least = CPU_PARALLEL_ELEMENTS_SEARCH if search else CPU_PARALLEL_ELEMENTS
+        workers = min(threads, max(2, -(-nb // per)) if nb * k >= least else 1)
+        if workers < 2 or getattr(_pool_local, "worker", False):
+            outs = [part(i, per) for i in range(0, nb, per)]
         else:
-            outs = [part(i) for i in starts]
+            # equal slices, as many per thread: the threads finish together
+            n = workers * -(-nb // (per * workers))
+            step = -(-nb // n)
+            starts = list(range(0, nb, step))
+
+            def deal(lane: int) -> list[torch.Tensor]:
+                return [part(i, step) for i in starts[lane::workers]]
+            pool = _codec_pool(workers - 1)
+            futures = [pool.submit(deal, lane) for lane in range(1, workers)]
+            lanes = [deal(0)] + [f.result() for f in futures]
+            outs = [lanes[j % workers][j // workers] for j in range(len(starts))]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def sliced(fn):
+def sliced(fn=None, *, search: bool = False):
     """Decorator: run block codec ``fn`` through :func:`map_block_slices` (same signature,
-    docstring kept; the undecorated function is ``fn.__wrapped__``)."""
-    @functools.wraps(fn)
-    def run(x: torch.Tensor, *more) -> torch.Tensor:
-        return map_block_slices(fn, x, *more)
-    return run
+    docstring kept; the undecorated function is ``fn.__wrapped__``). ``@sliced(search=True)``
+    for the search-based codecs (see ``map_block_slices``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(x: torch.Tensor, *more) -> torch.Tensor:
+            return map_block_slices(fn, x, *more, search=search)
+        return run
+    return wrap if fn is None else wrap(fn)

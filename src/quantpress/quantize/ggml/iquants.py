@@ -157,7 +157,7 @@ def _quantize_iq4_nl(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([fp16_bytes(s.unsqueeze(1)), _nibbles(L)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_iq4_nl`` without imatrix (``quantize_row_iq4_nl_impl``, ntry 7,
     weights x*x): float32 [nb, 32] -> uint8 [nb, 18].
@@ -167,7 +167,7 @@ def quantize_iq4_nl(x: torch.Tensor) -> torch.Tensor:
     return _quantize_iq4_nl(x, None)
 
 
-@sliced
+@sliced(search=True)
 def quantize_iq4_nl_weighted(x: torch.Tensor, qw: torch.Tensor, extra=None) -> torch.Tensor:
     """llama.cpp ``quantize_iq4_nl`` with imatrix: float32 x [nb, 32], qw [nb, 32] (the
     imatrix entries of each block's columns; ``extra`` ignored) -> uint8 [nb, 18].
@@ -213,7 +213,7 @@ def _quantize_iq4_xs(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([fp16_bytes(d.unsqueeze(1)), scales_h, scales_l, _nibbles(L)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_iq4_xs`` without imatrix (``quantize_row_iq4_nl_impl``, ntry 7,
     weights x*x): float32 [nb, 256] -> uint8 [nb, 136].
@@ -226,7 +226,7 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     return _quantize_iq4_xs(x, None)
 
 
-@sliced
+@sliced(search=True)
 def quantize_iq4_xs_weighted(x: torch.Tensor, qw: torch.Tensor, extra=None) -> torch.Tensor:
     """llama.cpp ``quantize_iq4_xs`` with imatrix: float32 x [nb, 256], qw [nb, 256] (the
     imatrix entries of each super-block's columns; ``extra`` ignored) -> uint8 [nb, 136].

@@ -538,7 +538,7 @@ def _q2_k_bytes(xs: torch.Tensor, L: torch.Tensor, sc: torch.Tensor, d: torch.Te
     return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q2_K_ref``: float32 [nb, 256] -> uint8 [nb, 84].
 
@@ -564,7 +564,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     return _q2_k_bytes(xs, L, sc, d, dmin)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q2_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q2_K_impl`` (with ``quant_weights``): float32 [nb, 256] and
     the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 84].
@@ -626,7 +626,7 @@ def _q3_k_bytes(xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Ten
                       fp16_bytes(d)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q3_K_ref``: float32 [nb, 256] -> uint8 [nb, 110].
 
@@ -649,7 +649,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     return _q3_k_bytes(xs, L, l, d)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q3_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q3_K_impl`` with ``quant_weights``: float32 [nb, 256] and
     the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 110].
@@ -807,7 +807,7 @@ def _q5_k_bytes(head: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, qh.to(torch.uint8), qs], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_K_ref``: float32 [nb, 256] -> uint8 [nb, 144].
 
@@ -818,7 +818,7 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     return _q4_k_bytes(*_k4_scales(x, 15, -1.0, 20))
 
 
-@sliced
+@sliced(search=True)
 def quantize_q4_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_K_impl`` with ``quant_weights``: float32 [nb, 256] and
     the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 144].
@@ -847,7 +847,7 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(nb, QK_K)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_K_ref``: float32 [nb, 256] -> uint8 [nb, 176].
 
@@ -857,7 +857,7 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     return _q5_k_bytes(*_k4_scales(x, 31, -0.5, 15))
 
 
-@sliced
+@sliced(search=True)
 def quantize_q5_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_K_impl`` with ``quant_weights``: float32 [nb, 256] and
     ``qw`` float32 [nb, 256] -> uint8 [nb, 176]. As :func:`quantize_q4_k_weighted` with
@@ -889,7 +889,7 @@ def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q6_K
 
-@sliced
+@sliced(search=True)
 def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q6_K_ref``: float32 [nb, 256] -> uint8 [nb, 210].
 
@@ -901,7 +901,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     return _q6_k(x, None)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q6_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q6_K_impl`` with ``quant_weights``: float32 [nb, 256] and
     the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 210].

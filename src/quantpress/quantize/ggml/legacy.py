@@ -226,7 +226,7 @@ def _weighted_affine(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor
     return d.unsqueeze(1), (-the_min).unsqueeze(1), L.t().to(torch.int32)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q4_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_0_impl`` with ``quant_weights``: float32 [nb, 32], the
     blocks' importance weights ``qw`` float32 [nb, 32] and their rows' ``sum_x2/n_per_row``
@@ -238,7 +238,7 @@ def quantize_q4_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.
     return torch.cat([fp16_bytes(d), _nibbles(q, False)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q4_1_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q4_1_impl`` with ``quant_weights``: float32 [nb, 32],
     ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 20].
@@ -249,7 +249,7 @@ def quantize_q4_1_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.
     return torch.cat([fp16_bytes(d), fp16_bytes(m), _nibbles(q, False)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q5_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_0_impl`` with ``quant_weights``: float32 [nb, 32],
     ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 22].
@@ -260,7 +260,7 @@ def quantize_q5_0_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.
     return torch.cat([fp16_bytes(d), _qh_bits(q), _nibbles(q, True)], dim=1)
 
 
-@sliced
+@sliced(search=True)
 def quantize_q5_1_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q5_1_impl`` with ``quant_weights``: float32 [nb, 32],
     ``qw`` float32 [nb, 32], ``row_sigma2`` float32 [nb, 1] -> uint8 [nb, 24].

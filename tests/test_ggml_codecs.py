@@ -209,6 +209,23 @@ def test_thread_counts_are_per_thread():
     assert seen[1:] == [2, (2, 2, 1), 2] and seen[0][1] == 1
 
 
+def test_roundf_small_is_c_roundf():
+    """Q8_0's two-pass roundf (``common.roundf_small``) == C's roundf (round half away from
+    zero, computed exactly in float64) on the float32 neighbourhoods (+-3000 ulps) of every
+    integer and half-integer of magnitude below ROUNDF_SMALL (256), both signs, and on random
+    values."""
+    top = np.float32(common.ROUNDF_SMALL)
+    pts = np.arange(0, top + 0.5, 0.5, dtype=np.float32)
+    bits = pts.view(np.int32)[:, None] + np.arange(-3000, 3001, dtype=np.int32)
+    bits = bits[(bits >= 0) & (bits < top.view(np.int32))]
+    r = np.random.default_rng(5)
+    x = np.concatenate([bits.view(np.float32), r.uniform(0, top, 100_000).astype(np.float32)])
+    x = np.concatenate([x, -x])
+    ref = np.copysign(np.floor(np.abs(x.astype(np.float64)) + 0.5), x).astype(np.float32)
+    ours = common.roundf_small(torch.from_numpy(x)).numpy()
+    assert np.array_equal(ours, ref)
+
+
 # ----------------------------------------------------------------------------- dequantize
 
 @pytest.mark.parametrize("name", TYPES)

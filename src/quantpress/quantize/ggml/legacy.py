@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf, sliced, sqrtf, to_int8
+from .common import (ROUNDF_SMALL, bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf,
+                     roundf_small, sliced, sqrtf, to_int8)
 
 QK = 32
 
@@ -42,34 +43,64 @@ def _first_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mn, mx
 
 
+def _int8_level(v: torch.Tensor, hi: int | None) -> torch.Tensor:
+    """C's ``MIN(hi, (int8_t)v)`` of a float32 ``v`` (``(int8_t)`` of the float's int
+    conversion; ``hi`` None: ``(uint8_t)v``, no MIN) as int32, any shape.
+
+    Where every value lies in (-1, 128) (one ``aminmax``; NaN fails it) the conversion is a
+    plain truncation and the byte casts change nothing, so one cast does; otherwise C's
+    conversion of out-of-range values and NaN (:func:`c_float_to_int`) and the byte wrap."""
+    lo, top = torch.aminmax(v)
+    if bool((lo > -1.0) & (top < 128.0)):
+        q = v.to(torch.int32)
+    elif hi is None:
+        return c_float_to_int(v) & 0xFF
+    else:
+        q = to_int8(c_float_to_int(v))
+    return q if hi is None else q.clamp_max_(hi)
+
+
 def _nibbles(q: torch.Tensor, masked: bool) -> torch.Tensor:
     """int32 [nb, 32] -> uint8 [nb, 16]: ``qs[j] = q[j] | q[j+16] << 4`` truncated to a
     byte as C stores it; ``masked`` applies C's ``& 0x0F`` to both halves first (Q5_*),
-    otherwise the bytes are OR-ed unmasked (Q4_0/Q4_1)."""
-    lo, hi = q[:, :16], q[:, 16:]
+    otherwise the bytes are OR-ed unmasked (Q4_0/Q4_1). The byte arithmetic is done on uint8
+    (the same low bits as C's int arithmetic, four times less memory)."""
+    b = q.to(torch.uint8)               # low byte, as C's stores keep it
+    lo, hi = b[:, :16], b[:, 16:]
     if masked:
         lo, hi = lo & 0x0F, hi & 0x0F
-    return ((lo | (hi << 4)) & 0xFF).to(torch.uint8)
+    return lo | (hi << 4)
+
+
+#: bit j of a byte of qh: 2**j, as the float weights of a matrix product (exact: sums <= 255)
+_BIT_WEIGHTS = [float(1 << j) for j in range(8)]
 
 
 def _qh_bits(q: torch.Tensor) -> torch.Tensor:
-    """int32 [nb, 32] -> uint8 [nb, 4]: bit 4 of q[j] into bit j of a little-endian u32."""
-    bits = ((q >> 4) & 1).view(q.shape[0], 4, 8)
-    shifts = torch.arange(8, device=q.device, dtype=torch.int32)
-    return (bits << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+    """int32 [nb, 32] -> uint8 [nb, 4]: bit 4 of q[j] into bit j of a little-endian u32.
+    (Each byte as a product of the 0/1 bits with 1, 2, ..., 128: exact in float32, and
+    faster on CPU than broadcast shifts.)"""
+    bits = ((q >> 4) & 1).to(torch.float32).view(q.shape[0], 4, 8)
+    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.float32, device=q.device)
+    return (bits @ w).to(torch.uint8)
 
 
 def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """uint8 [nb, 16] -> int32 [nb, 32]: low nibbles then high nibbles."""
-    q = qs.to(torch.int32)
-    return torch.cat([q & 0x0F, q >> 4], dim=1)
+    """uint8 [nb, 16] -> uint8 [nb, 32]: low nibbles then high nibbles."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+#: the bits of a byte, as masks
+_BIT_MASKS = [1 << j for j in range(8)]
 
 
 def _unpack_qh(qh: torch.Tensor) -> torch.Tensor:
-    """uint8 [nb, 4] -> int32 [nb, 32] of 0/16: bit j of the u32 -> 16 for element j."""
-    shifts = torch.arange(8, device=qh.device, dtype=torch.int32)
-    bits = (qh.to(torch.int32).unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(qh.shape[0], 32) << 4
+    """uint8 [nb, 4] -> uint8 [nb, 32] of 0/16: bit j of the u32 -> 16 for element j.
+    (Masks on the bytes and a bool -> uint8 view: broadcast shifts of int32 by a tensor are
+    slow on CPU.)"""
+    masks = torch.tensor(_BIT_MASKS, dtype=torch.uint8, device=qh.device)
+    bits = (qh.unsqueeze(-1) & masks) != 0
+    return (bits.view(torch.uint8) << 4).reshape(qh.shape[0], 32)
 
 
 # ----------------------------------------------------------------------------- Q4_0
@@ -83,7 +114,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     m, _ = first_absmax(x, 1)
     d = fdiv(m, -8.0).unsqueeze(1)
     idd = _inverse(d)
-    q = to_int8(c_float_to_int(x * idd + 8.5)).clamp_max_(15)
+    q = _int8_level(x * idd + 8.5, 15)
     return torch.cat([fp16_bytes(d), _nibbles(q, False)], dim=1)
 
 
@@ -91,8 +122,8 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q4_0``: uint8 [nb, 18] -> float32 [nb, 32], (q - 8) * d."""
     d = bytes_fp16(b[:, 0:2])
-    q = _unpack_nibbles(b[:, 2:18]) - 8
-    return q.to(torch.float32) * d
+    q = _unpack_nibbles(b[:, 2:18]).to(torch.float32) - 8.0     # (int)q - 8, exact
+    return q * d
 
 
 # ----------------------------------------------------------------------------- Q4_1
@@ -106,7 +137,7 @@ def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
     mn, mx = _first_min_max(x)
     d = fdiv(mx - mn, 15.0)
     idd = _inverse(d)
-    q = to_int8(c_float_to_int((x - mn) * idd + 0.5)).clamp_max_(15)
+    q = _int8_level((x - mn) * idd + 0.5, 15)
     return torch.cat([fp16_bytes(d), fp16_bytes(mn), _nibbles(q, False)], dim=1)
 
 
@@ -130,7 +161,7 @@ def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     m, _ = first_absmax(x, 1)
     d = fdiv(m, -16.0).unsqueeze(1)
     idd = _inverse(d)
-    q = to_int8(c_float_to_int(x * idd + 16.5)).clamp_max_(31)
+    q = _int8_level(x * idd + 16.5, 31)
     return torch.cat([fp16_bytes(d), _qh_bits(q), _nibbles(q, True)], dim=1)
 
 
@@ -138,8 +169,8 @@ def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
 def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``dequantize_row_q5_0``: uint8 [nb, 22] -> float32 [nb, 32], (q - 16) * d."""
     d = bytes_fp16(b[:, 0:2])
-    q = (_unpack_nibbles(b[:, 6:22]) | _unpack_qh(b[:, 2:6])) - 16
-    return q.to(torch.float32) * d
+    q = (_unpack_nibbles(b[:, 6:22]) | _unpack_qh(b[:, 2:6])).to(torch.float32) - 16.0
+    return q * d
 
 
 # ----------------------------------------------------------------------------- Q5_1
@@ -153,7 +184,7 @@ def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
     mn, mx = _first_min_max(x)
     d = fdiv(mx - mn, 31.0)
     idd = _inverse(d)
-    q = c_float_to_int((x - mn) * idd + 0.5) & 0xFF
+    q = _int8_level((x - mn) * idd + 0.5, None)
     return torch.cat([fp16_bytes(d), fp16_bytes(mn), _qh_bits(q), _nibbles(q, True)], dim=1)
 
 
@@ -177,8 +208,13 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(1, keepdim=True)
     d = fdiv(amax, 127.0)
     idd = _inverse(d)
-    q = (c_float_to_int(roundf(x * idd)) & 0xFF).to(torch.uint8)  # (int8_t) store
-    return torch.cat([fp16_bytes(d), q], dim=1)
+    v = x * idd
+    lo, hi = torch.aminmax(v)
+    if bool((lo > -ROUNDF_SMALL) & (hi < ROUNDF_SMALL)):    # NaN fails it
+        q = roundf_small(v).to(torch.int32)
+    else:
+        q = c_float_to_int(roundf(v))
+    return torch.cat([fp16_bytes(d), q.to(torch.uint8)], dim=1)       # (int8_t) store
 
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:

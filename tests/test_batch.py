@@ -225,8 +225,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_llama_dir, ca
     text = capsys.readouterr().out
     assert "one calibration pass (4 x 64 tokens) feeding imatrix, awq, measurement" in text
     assert "make  tiny-EXL2-5.0bpw" in text and "estimated disk" in text
-    assert re.search(r"working memory ~[\d,]+ MiB at its largest \((gguf|calibration pass|EXL2 passes|"
-                     r"EXL2 head|evaluation)\)", text)
+    m = re.search(r"working memory ~[\d,]+ MiB at its largest \((.+?)\), above", text)
+    stages = {"gguf", "calibration pass", "EXL2 passes", "EXL2 head", "evaluation",   # in order
+              "calibrated", "exl2 4.0+5.0", "eval gguf", "eval calibrated", "eval exl2 4.0+5.0"}
+    assert m and set(m[1].split(" beside ")) <= stages, text
     assert not (tmp_path / "out").exists()
 
 
@@ -596,3 +598,64 @@ def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):
     assert "saved work under" in p.stderr and "another job or code version; discarded" in p.stderr
     assert quantize_main(["batch", str(job(3)), "-o", str(fresh), "--quiet"]) == 0
     assert _digests(out / "m" / "m.imatrix.gguf") == _digests(fresh / "m" / "m.imatrix.gguf")
+
+
+def test_a_side_lane_that_dies_fails_its_stage_only(tmp_path, tiny_llama_dir, monkeypatch):
+    """When the side lane's process dies during a request (its handle reports the exit code),
+    the outputs of that stage, the GGUF policy here, are recorded failed with that message,
+    nothing of them is left, and the stage of this process (AWQ) is made: exit 1."""
+    from quantpress.batch import lanes, runner
+
+    class DeadSide:
+        requests: list = []
+
+        def start(self, kind, plan, payload, put):
+            DeadSide.requests.append(kind)
+            put(("done", RuntimeError("the side process (stage) exited with code -9")))
+
+        def forget(self, plan):
+            pass
+
+        def close(self):
+            pass
+    monkeypatch.setattr(lanes, "SideLane", DeadSide)
+    monkeypatch.setattr(runner, "two_lanes", lambda device: True)
+    job = _one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
+    out = tmp_path / "out"
+    code = quantize_main(["batch", str(job), "-o", str(out), "--quiet"])
+    m = json.loads((out / "m" / "manifest.json").read_text())
+    st = {o["path"]: (o["roundtrip"], o.get("error", "")) for o in m["outputs"]}
+    assert DeadSide.requests == ["stage"]
+    assert st == {"m-Q8_0.gguf": ("failed", "the side process (stage) exited with code -9"),
+                  "m-AWQ-w4g64": ("ok", "")}
+    assert code == 1 and not (out / "m" / "m-Q8_0.gguf").exists() and (out / "m" / "m-AWQ-w4g64").is_dir()
+
+
+class _ExitOnUnpickle:
+    """A request the side process cannot survive: unpickling it ends the process (code 7)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os._exit, (7,))
+
+
+def test_side_lane_reports_its_process_death_and_starts_anew():
+    """The side lane's handle: a request during which the child process dies ends with
+    ("done", RuntimeError) naming the exit code, and the next request starts a new process."""
+    import queue
+
+    from quantpress.batch.lanes import SideLane
+
+    lane = SideLane()
+    pids = []
+    try:
+        for _ in range(2):
+            events: queue.Queue = queue.Queue()
+            lane.start("stage", _ExitOnUnpickle(), None, events.put)
+            pids.append(lane.pid)
+            what, err = events.get(timeout=300)
+            assert what == "done" and isinstance(err, RuntimeError) and "exited with code 7" in str(err)
+    finally:
+        lane.close()
+    assert pids[0] != pids[1]

@@ -104,18 +104,10 @@ def run_batch_ray(plans: list[ModelPlan], address: str | None = None,
         pending: dict[Any, tuple[ModelRun, Any, list[str]]] = {}
 
         def submit(run: ModelRun) -> None:
-            while ready := run.ready():
-                for stage in ready:
-                    inputs = run.start(stage)
-                    if stage.is_eval:
-                        paths = run.eval_todo(stage)
-                        if paths:
-                            pending[eval_task.remote(run.plan, paths)] = (run, stage, paths)
-                            continue
-                    elif inputs:
-                        pending[stage_task.remote(run.plan, inputs)] = (run, stage, [])
-                        continue
-                    run.finish(stage)
+            while (started := run.next_stage()) is not None:
+                stage, inputs, paths = started
+                task = eval_task.remote(run.plan, paths) if stage.is_eval else stage_task.remote(run.plan, inputs)
+                pending[task] = (run, stage, paths)
 
         for run in runs:
             submit(run)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
 from quantpress.errors import InputError, RoundTripError
+from quantpress.runtime import pick_device
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
 
 #: output kinds that are models (evaluated with ``eval = true``)
@@ -286,6 +287,22 @@ class ModelRun:
         return [s for s in self.stages if s.name not in self.started
                 and all(a in self.finished or a not in names for a in s.after)]
 
+    def next_stage(self, admit: Callable[[Stage], bool] = lambda s: True) -> tuple[Stage, list, list[str]] | None:
+        """The first ready stage that ``admit`` accepts, started: (stage, its (output,
+        options) pairs from :meth:`start`, the paths an evaluation stage scores from
+        :meth:`eval_todo`); None when no such stage is left. A stage with nothing to do (no
+        output left to make, nothing left to score) is finished here instead, and the search
+        goes on (finishing it may make others ready)."""
+        while True:
+            stage = next((s for s in self.ready() if admit(s)), None)
+            if stage is None:
+                return None
+            inputs = self.start(stage)
+            paths = self.eval_todo(stage) if stage.is_eval else []
+            if paths or (inputs and not stage.is_eval):
+                return stage, inputs, paths
+            self.finish(stage)
+
     def start(self, stage: Stage) -> list[tuple[OutputJob, Any]]:
         """Mark ``stage`` started and return its (output, options) pairs, with the option of
         ``needs`` set to the finished earlier output. When that output failed, its outputs
@@ -394,39 +411,210 @@ def run_eval(plan: ModelPlan, paths: list[str], progress: bool = False):
     return evaluate(job.source, [plan.dir / p for p in paths], job.eval, job.compute, progress=progress)
 
 
+def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
+    """Working memory of a stage of ``plan`` in bytes (:func:`~quantpress.batch.jobfile.estimate`'s
+    figure for its kind: GGUF, the calibration pass, a GPTQ pass, the EXL2 passes or their head
+    stage, whichever is larger, an evaluation); 0 for a stage the estimate does not know."""
+    from quantpress.batch.jobfile import estimate
+
+    est = estimate(plan.job)["stages"]
+
+    def of(stage: Stage) -> int:
+        if stage.is_eval:
+            return est.get("evaluation", 0)
+        if stage.name.startswith("gguf"):
+            return est.get("gguf", 0)
+        if stage.name == "calibrated":
+            return est.get("calibration pass", 0)
+        if stage.name.startswith("gptq"):
+            return est.get("GPTQ pass", 0)
+        if stage.name.startswith("exl2"):
+            return max(est.get("EXL2 passes", 0), est.get("EXL2 head", 0))
+        return 0
+    return of
+
+
+def on_side_lane(stage: Stage) -> bool:
+    """Whether a local run with two lanes makes ``stage`` in the side lane
+    (:mod:`quantpress.batch.lanes`): the GGUF policies and every evaluation; the calibrated
+    pass, GPTQ and EXL2 passes run in this process."""
+    return stage.is_eval or stage.name.startswith("gguf")
+
+
+def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
+    """The largest estimated working memory (:func:`stage_memory`) of ``plan``'s stages running
+    at once in a local run, and those stages' names: one stage at a time without ``lanes``; with
+    them, each stage of one lane beside the largest stage of the other lane that may run at the
+    same time (neither waits for the other, directly or not) when the two fit the admission
+    budget of :func:`run_model`."""
+    from quantpress.runtime import available_memory
+
+    stages = model_stages(plan, eval_each=lanes, exl2_together=True)
+    mem = stage_memory(plan)
+    budget = (available_memory() or 1 << 62) // 2
+    by_name = {st.name: st for st in stages}
+    before: dict[str, set[str]] = {}
+    for st in stages:   # in order: what a stage waits for comes first
+        before[st.name] = set()
+        for a in st.after:
+            if a in by_name:
+                before[st.name] |= {a} | before[a]
+    best: tuple[int, list[str]] = (0, [])
+    for st in stages:
+        group, total = [st.name], mem(st)
+        beside = [t for t in stages if lanes and on_side_lane(t) != on_side_lane(st)
+                  and st.name not in before[t.name] and t.name not in before[st.name]
+                  and total + mem(t) <= budget]
+        if beside:
+            t = max(beside, key=mem)
+            group, total = sorted([st.name, t.name], key=lambda n: on_side_lane(by_name[n])), total + mem(t)
+        if total > best[0]:
+            best = (total, group)
+    return best
+
+
+def two_lanes(device) -> bool:
+    """Whether a local run may make a model's stages in two lanes on ``device``: CPU, torch on
+    one intra-op thread and more than one core
+    (:func:`~quantpress.calibration.engine.side_by_side_threads`; the side lane's process
+    also runs its ops on one thread, so no output depends on which lane made it)."""
+    from quantpress.calibration.engine import side_by_side_threads
+
+    return side_by_side_threads(device, 2) > 1
+
+
 def run_model(plan: ModelPlan, progress: bool = True,
               on_row: Callable[[Row], None] | None = None,
-              log: Callable[[str], None] = _stderr) -> list[Row]:
-    """Make the outputs of one planned model in this process, stage after stage
-    (:func:`model_stages`, one :class:`Source` for all). Returns one :class:`Row` per output
-    (kept, made or failed); never raises for a failing output.
+              log: Callable[[str], None] = _stderr, side=None) -> list[Row]:
+    """Make the outputs of one planned model (:func:`model_stages`, one :class:`Source` for
+    all). Returns one :class:`Row` per output (kept, made or failed); never raises for a failing
+    output.
+
+    Without ``side``, or when the model has no stage for one of the two lanes, the stages run
+    one after the other in this thread and one :class:`~quantpress.targets.eval.Evaluation`
+    scores every output at the end. ``side``: a :class:`quantpress.batch.lanes.SideLane`
+    (:func:`run_plans` gives one when :func:`two_lanes`): the GGUF policies and the scoring of
+    each stage's outputs (``eval_each``, :func:`on_side_lane`) run in that lane's process while
+    this process makes the calibrated pass, the GPTQ and the EXL2 targets, each lane one stage
+    at a time, a stage as soon as what it waits for is finished; a stage starts beside the
+    other lane's only while the two stages' estimated working memory (:func:`stage_memory`)
+    stays within half the memory available when the model started (``MemAvailable``). Only this
+    process records outcomes and writes the manifest.
 
     Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs and the
     checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
     it reached (the row's ``resumed_at``); ``log`` gets the messages about saved work (resumed,
     or discarded because the job or the code changed)."""
-    run = ModelRun(plan, on_row, exl2_together=True)
     try:
         source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails
+        run = ModelRun(plan, on_row, exl2_together=True)
         run.fail_all(e)
         return run.rows
+    if side is not None:
+        sides = {on_side_lane(s) for s in model_stages(plan, eval_each=True, exl2_together=True) if not s.is_eval}
+        if plan.job.eval is not None:
+            sides.add(True)
+        side = side if sides == {True, False} else None
+    run = ModelRun(plan, on_row, eval_each=side is not None, exl2_together=True)
     run.man.computed_on(str(source.device), str(source.dtype).replace("torch.", ""))
     run.man.write()
-    for stage in run.stages:
-        inputs = run.start(stage)
-        if stage.is_eval:
-            paths = run.eval_todo(stage)
-            if paths:
-                try:
-                    run.record_eval(paths, run_eval(plan, paths, progress))
-                except Exception as e:
-                    run.finish(stage, e)
-                    continue
-        elif inputs:
-            run_stage(plan, inputs, source, run.record, progress, log)
-        run.finish(stage)
+
+    def take(stage: Stage, paths: list[str], event: tuple) -> bool:
+        """Record one event of ``stage``; True when the stage is done."""
+        what, value = event
+        if what == "outcome":
+            run.record(value)
+        elif what == "eval":
+            run.record_eval(paths, value)
+        elif what == "log":
+            log(value)
+        else:
+            run.finish(stage, value)
+        return what == "done"
+
+    if side is not None:
+        try:
+            _two_lanes(run, source, side, progress, log, take)
+        finally:
+            side.forget(plan)
+        return run.close()
+
+    scorer = None
+    try:
+        while (started := run.next_stage()) is not None:
+            stage, inputs, paths = started
+            error = None
+            try:
+                if stage.is_eval:
+                    if scorer is None:
+                        from quantpress.targets.eval import Evaluation
+
+                        job = plan.job
+                        scorer = Evaluation(job.source, job.eval, job.compute, progress)
+                    run.record_eval(paths, scorer.report([plan.dir / p for p in paths]))
+                else:
+                    run_stage(plan, inputs, source, run.record, progress, log)
+            except Exception as e:  # noqa: BLE001 - recorded as the stage's failure
+                error = e
+            run.finish(stage, error)
+    finally:
+        if scorer is not None:
+            scorer.close()
     return run.close()
+
+
+def _two_lanes(run: ModelRun, source: Source, side, progress: bool, log: Callable[[str], None],
+               take: Callable[[Stage, list[str], tuple], bool]) -> None:
+    """:func:`run_model`'s stages in two lanes: this process's lane in a thread (one torch
+    intra-op thread, no autograd), the side lane's in its process; the events of both come
+    back through one queue to this thread, which records them and starts what is ready."""
+    import queue
+    import threading
+
+    import torch
+
+    from quantpress.runtime import available_memory
+
+    plan = run.plan
+    memory = stage_memory(plan)
+    budget = (available_memory() or 1 << 62) // 2
+    events: queue.Queue = queue.Queue()
+    running: dict[bool, tuple[Stage, list[str], int]] = {}   # by lane: on the side lane or not
+
+    def admit(stage: Stage) -> bool:
+        return on_side_lane(stage) not in running and (
+            not running or sum(m for *_, m in running.values()) + memory(stage) <= budget)
+
+    def here(stage: Stage, inputs: list) -> None:
+        put = lambda ev: events.put((False, ev))  # noqa: E731
+        try:
+            torch.set_num_threads(1)
+            with torch.no_grad():
+                run_stage(plan, inputs, source, lambda oc: put(("outcome", oc)), progress,
+                          lambda m: put(("log", m)))
+        except BaseException as e:  # noqa: BLE001 - the stage failed
+            put(("done", e))
+            return
+        put(("done", None))
+
+    while True:
+        while (started := run.next_stage(admit)) is not None:
+            stage, inputs, paths = started
+            lane = on_side_lane(stage)
+            running[lane] = (stage, paths, memory(stage))
+            if lane:
+                side.start("eval" if stage.is_eval else "stage", plan, paths if stage.is_eval else inputs,
+                           lambda ev: events.put((True, ev)))
+            else:
+                threading.Thread(target=here, args=(stage, inputs), name=f"quantpress-{stage.name}",
+                                 daemon=True).start()
+        if not running:
+            return
+        lane, ev = events.get()
+        stage, paths, _ = running[lane]
+        if take(stage, paths, ev):
+            del running[lane]
 
 
 def closing_table(rows: list[Row]) -> str:
@@ -458,9 +646,17 @@ def exit_code(rows: list[Row]) -> int:
 def run_plans(plans: list[ModelPlan], progress: bool = True,
               on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """Make the planned models one after the other in this process (:func:`run_model`)."""
+    from quantpress.batch.lanes import SideLane
+
     rows: list[Row] = []
-    for p in plans:
-        rows += run_model(p, progress, on_row)
+    side = SideLane() if any(two_lanes(pick_device(p.job.compute.device)) for p in plans) else None
+    try:
+        for p in plans:
+            use = side if two_lanes(pick_device(p.job.compute.device)) else None
+            rows += run_model(p, progress, on_row, side=use)
+    finally:
+        if side is not None:
+            side.close()
     return rows
 
 
@@ -498,7 +694,9 @@ def plan_text(plans: list[ModelPlan]) -> str:
         for o in j.outputs:
             state = "kept" if o in p.keep else "make"
             lines.append(f"  {state}  {o.path:<40} ~{est['bytes'][o.path] / 2 ** 20:,.1f} MiB")
-        peak = (f"working memory ~{est['peak_memory'] / 2 ** 20:,.0f} MiB at its largest ({est['peak_stage']}), "
-                f"above the libraries' own" if est["peak_stage"] else "no working memory to speak of")
+        lanes = two_lanes(pick_device(j.compute.device))
+        most, together = memory_peak(p, True) if lanes else (est["peak_memory"], [est["peak_stage"]])
+        peak = (f"working memory ~{most / 2 ** 20:,.0f} MiB at its largest ({' beside '.join(together)}), "
+                f"above the libraries' own" if most else "no working memory to speak of")
         lines.append(f"  estimated disk ~{est['disk'] / 2 ** 20:,.1f} MiB; {peak}")
     return "\n".join(lines)

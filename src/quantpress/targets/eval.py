@@ -7,6 +7,7 @@ the same compute options as the targets.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,104 @@ def _logit_rows(n_scored: int, vocab: int) -> int:
     return max(1, LOGITS_BUDGET // max(1, 4 * n_scored * vocab))
 
 
+class Evaluation:
+    """The base model of an evaluation, scored once, against which any number of outputs are
+    then scored: :func:`evaluate` is one :meth:`report` of this. ``quantize batch`` keeps one per
+    model and asks for a report of each stage's outputs as the stage finishes, from whichever
+    thread runs it (the base is scored once, under a lock, by the first report; what later
+    reports read of it is not changed again). Arguments as :func:`evaluate`; the options are
+    validated here (InputError naming the option). Call :meth:`close` when done."""
+
+    def __init__(self, base: str | Path, options: EvalOptions | None = None,
+                 compute: ComputeOptions | None = None, progress: bool = True,
+                 cal_dir: str | Path | None = None):
+        self.options = options or EvalOptions()
+        self.compute = compute or ComputeOptions()
+        self.options.validate()
+        self.compute.validate()
+        self.progress = progress
+        self.cal_dir = cal_dir
+        self.device, self.dtype = pick_device(self.compute.device), pick_dtype(self.compute.dtype)
+        self.base_path = Path(base)
+        self.base_loader = loaders.find_loader(self.base_path)
+        self.vocab = self.base_loader.vocabulary(self.base_path)
+        self._lock = threading.Lock()
+        self._base: ModelEval | None = None
+        self._sm = None
+
+    def _outputs(self, outputs) -> list[tuple[Path, loaders.Loader]]:
+        out_lds = [(Path(o), loaders.find_loader(o)) for o in outputs]
+        for out_p, ld in out_lds:  # before any computation
+            v = ld.vocabulary(out_p)
+            if v != self.vocab:
+                raise InputError(f"{out_p}: vocabulary of {v} tokens, the base model has {self.vocab}; "
+                                 f"KL divergence needs the same vocabulary")
+        return out_lds
+
+    def _score_base(self) -> ModelEval:
+        with self._lock:
+            if self._base is not None:
+                return self._base
+            base_p, base_ld, options = self.base_path, self.base_loader, self.options
+            if options.text is None:
+                text_str = cdata.heldout_text(self.cal_dir or default_cal_dir())
+                self.text_name = "wiki.utf8 held-out split (articles 1800-2348)"
+            else:
+                text_str = read_text_file(options.text)
+                self.text_name = str(options.text)
+            tok = base_ld.tokenizer(base_p)
+            bos = tok.bos_token_id if base_ld.add_bos(base_p, tok) else None
+            self.toks = ceval.make_chunks(tokenize_stream(tok, text_str, bos), options.ctx, options.chunks, bos)
+            self.targets = ceval.scored_targets(self.toks)
+            n_chunk, n_scored = self.targets.shape
+            self.rows = rows_per_batch(self.compute.batch_tokens, options.ctx)
+            self.base_cfg = base_ld.hf_config(base_p) if base_ld.kind == "hf" else None
+            self.lrows = _logit_rows(n_scored, self.vocab)
+            t1 = time.perf_counter()
+            sm = base_ld.open(base_p, self.device, self.dtype)
+            self.h_base = _final_scored_hidden(sm, self.toks, self.rows, self.progress)
+            ppl = ceval.PerplexityStats()
+            for r in _bar(range(0, n_chunk, self.lrows), self.progress, f"logits {base_p.name}"):
+                ppl.update(sm.final_logits(self.h_base[r:r + self.lrows]), self.targets[r:r + self.lrows],
+                           what=str(base_p))
+            self._sm = sm
+            self._base = ModelEval(str(base_p), base_ld.kind, ppl.result(), None, time.perf_counter() - t1)
+            return self._base
+
+    def _score(self, out_p: Path, ld: loaders.Loader) -> ModelEval:
+        t1 = time.perf_counter()
+        n_chunk, lrows = self.targets.shape[0], self.lrows
+        sm = ld.open(out_p, self.device, self.dtype, self.base_cfg if ld.kind != "hf" else None)
+        try:
+            h = _final_scored_hidden(sm, self.toks, self.rows, self.progress)
+            kl = ceval.KLStats()
+            for r in _bar(range(0, n_chunk, lrows), self.progress, f"logits {out_p.name}"):
+                lb = self._sm.final_logits(self.h_base[r:r + lrows])
+                lq = sm.final_logits(h[r:r + lrows])
+                kl.update(lb, lq, self.targets[r:r + lrows], what=str(out_p))
+                del lb, lq
+            return ModelEval(str(out_p), ld.kind, kl.perplexity(), kl.result(), time.perf_counter() - t1)
+        finally:
+            sm.release()
+
+    def report(self, outputs: list[str | Path] = ()) -> EvalReport:
+        """The base (scored by the first report) and every model of ``outputs``, in order;
+        raises as :func:`evaluate`."""
+        t0 = time.perf_counter()
+        bound_heap()
+        out_lds = self._outputs(outputs)
+        results = [self._score_base()]
+        results += [self._score(out_p, ld) for out_p, ld in out_lds]
+        return EvalReport(results, self.options.ctx, self.targets.shape[0], self.text_name, str(self.device),
+                          str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Release the base model's cached head and hidden states."""
+        if self._sm is not None:
+            self._sm.release()
+        self._sm = self.h_base = None
+
+
 def evaluate(base: str | Path, outputs: list[str | Path] = (), options: EvalOptions | None = None,
              compute: ComputeOptions | None = None, progress: bool = True,
              cal_dir: str | Path | None = None) -> EvalReport:
@@ -169,60 +268,8 @@ def evaluate(base: str | Path, outputs: list[str | Path] = (), options: EvalOpti
     Raises InputError for unknown or unreadable models, a text that is missing, empty, not
     UTF-8 or shorter than 2·ctx tokens, mismatched vocabularies, and NaN/Inf activations or
     logits (naming the layer / model)."""
-    options = options or EvalOptions()
-    compute = compute or ComputeOptions()
-    options.validate()
-    compute.validate()
-    bound_heap()
-    t0 = time.perf_counter()
-    dev, dt = pick_device(compute.device), pick_dtype(compute.dtype)
-    base_p = Path(base)
-    base_ld = loaders.find_loader(base_p)
-    out_lds = [(Path(o), loaders.find_loader(o)) for o in outputs]
-    vocab = base_ld.vocabulary(base_p)
-    for out_p, ld in out_lds:  # before any computation
-        v = ld.vocabulary(out_p)
-        if v != vocab:
-            raise InputError(f"{out_p}: vocabulary of {v} tokens, the base model has {vocab}; "
-                             f"KL divergence needs the same vocabulary")
-    if options.text is None:
-        text_str = cdata.heldout_text(cal_dir or default_cal_dir())
-        text_name = "wiki.utf8 held-out split (articles 1800-2348)"
-    else:
-        text_str = read_text_file(options.text)
-        text_name = str(options.text)
-    tok = base_ld.tokenizer(base_p)
-    add_bos = base_ld.add_bos(base_p, tok)
-    bos = tok.bos_token_id if add_bos else None
-    toks = ceval.make_chunks(tokenize_stream(tok, text_str, bos), options.ctx, options.chunks, bos)
-    targets = ceval.scored_targets(toks)
-    n_chunk, n_scored = targets.shape
-    rows = rows_per_batch(compute.batch_tokens, options.ctx)
-    base_cfg = base_ld.hf_config(base_p) if base_ld.kind == "hf" else None
-
-    results: list[ModelEval] = []
-    t1 = time.perf_counter()
-    base_sm = base_ld.open(base_p, dev, dt)
-    h_base = _final_scored_hidden(base_sm, toks, rows, progress)
-    lrows = _logit_rows(n_scored, vocab)
-    ppl = ceval.PerplexityStats()
-    for r in _bar(range(0, n_chunk, lrows), progress, f"logits {base_p.name}"):
-        ppl.update(base_sm.final_logits(h_base[r:r + lrows]), targets[r:r + lrows], what=str(base_p))
-    results.append(ModelEval(str(base_p), base_ld.kind, ppl.result(), None, time.perf_counter() - t1))
-
-    for out_p, ld in out_lds:
-        t1 = time.perf_counter()
-        sm = ld.open(out_p, dev, dt, base_cfg if ld.kind != "hf" else None)
-        h = _final_scored_hidden(sm, toks, rows, progress)
-        kl = ceval.KLStats()
-        for r in _bar(range(0, n_chunk, lrows), progress, f"logits {out_p.name}"):
-            lb = base_sm.final_logits(h_base[r:r + lrows])
-            lq = sm.final_logits(h[r:r + lrows])
-            kl.update(lb, lq, targets[r:r + lrows], what=str(out_p))
-            del lb, lq
-        results.append(ModelEval(str(out_p), ld.kind, kl.perplexity(), kl.result(), time.perf_counter() - t1))
-        sm.release()
-        del sm, h
-    base_sm.release()
-    return EvalReport(results, options.ctx, n_chunk, text_name, str(dev), str(dt).replace("torch.", ""),
-                      time.perf_counter() - t0)
+    ev = Evaluation(base, options, compute, progress, cal_dir)
+    try:
+        return ev.report(outputs)
+    finally:
+        ev.close()

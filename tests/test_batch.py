@@ -227,7 +227,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, tiny_llama_dir, ca
     assert "make  tiny-EXL2-5.0bpw" in text and "estimated disk" in text
     m = re.search(r"working memory ~[\d,]+ MiB at its largest \((.+?)\), above", text)
     stages = {"gguf", "calibration pass", "EXL2 passes", "EXL2 head", "evaluation",   # in order
-              "calibrated", "exl2 4.0+5.0", "eval gguf", "eval calibrated", "eval exl2 4.0+5.0"}
+              "calibrated", "exl2 4.0+5.0", "eval gguf", "eval calibrated", "eval exl2 4.0+5.0",
+              "eval exl2 4.0+5.0 x2"}                   # (the last scoring, two at once)
     assert m and set(m[1].split(" beside ")) <= stages, text
     assert not (tmp_path / "out").exists()
 

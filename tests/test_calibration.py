@@ -548,3 +548,43 @@ def test_estimate_line_scales_the_first_layer():
                     "(262 tokens/s), about 2 h 05 min for the pass")
     assert estimate_line(4, 64, 3, 2.0).endswith("(128 tokens/s), about 6 s for the pass")
     assert estimate_line(16, 256, 30, 10.0).endswith("about 5 min 00 s for the pass")
+
+
+def test_model_skeletons_are_built_one_at_a_time(tiny_llama_dir, monkeypatch):
+    """transformers sets torch's default dtype, process-wide, to the config's while it builds a
+    model: two StreamingModels made at once in two threads build their skeletons one after the
+    other (otherwise the second could restore the first's dtype and leave it behind), and the
+    default dtype is float32 afterwards."""
+    import threading
+    import time
+
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_config
+    lock, active, most = threading.Lock(), [0], [0]
+
+    def slow(*a, **kw):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.3)
+        try:
+            return real(*a, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", slow)
+    made, errors = [], []
+
+    def build():
+        try:
+            made.append(engine.StreamingModel(tiny_llama_dir))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(made) == 2
+    assert most[0] == 1 and torch.get_default_dtype() == torch.float32

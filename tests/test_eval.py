@@ -312,3 +312,44 @@ def test_eval_vocab_mismatch_and_nonfinite(smollm2_dir, tmp_path, text_file):
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InputError, match=r"decoder layer 1"):
         make.evaluate(bad, [], text=text_file, ctx=128, chunks=1, progress=False)
+
+
+def test_outputs_scored_side_by_side_equal_one_by_one(smollm2_dir, tmp_path, text_file, monkeypatch):
+    """Evaluation.report(side_by_side=2) scores two outputs in two threads at once (on one
+    torch thread each, as a batch's last scoring does) and reports exactly the figures of
+    scoring them one after the other."""
+    import threading
+
+    from quantpress.calibration import engine
+    from quantpress.targets.base import ComputeOptions
+    from quantpress.targets.eval import EvalOptions, Evaluation
+
+    base = synth.make_model(tmp_path / "base", "llama", smollm2_dir, num_hidden_layers=2, seed=3)
+    outs = [synth.make_model(tmp_path / f"o{i}", "llama", smollm2_dir, num_hidden_layers=2, seed=4 + i)
+            for i in range(2)]
+    opts = EvalOptions(str(text_file), 128, 2)
+    monkeypatch.setattr(engine, "side_by_side_threads", lambda device, n: min(n, 2))
+    seen = set()
+    real = Evaluation._score
+
+    def spy(self, *a):
+        seen.add(threading.current_thread().name)
+        return real(self, *a)
+    monkeypatch.setattr(Evaluation, "_score", spy)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reports = []
+        for k in (2, 1):
+            ev = Evaluation(base, opts, ComputeOptions(device="cpu"), progress=False)
+            try:
+                reports.append(ev.report(outs, side_by_side=k))
+            finally:
+                ev.close()
+            if k == 2:
+                assert len(seen) == 2 and threading.current_thread().name not in seen
+    finally:
+        torch.set_num_threads(n)
+    together, alone = reports
+    assert [(m.path, m.ppl, m.kl) for m in together.models] == [(m.path, m.ppl, m.kl) for m in alone.models]
+    assert together.models[1].kl["kld_mean"] != together.models[2].kl["kld_mean"]

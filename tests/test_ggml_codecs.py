@@ -179,6 +179,22 @@ def test_threads_do_not_change_bytes(inputs, name, monkeypatch):
     assert threading.current_thread().name in lanes and len(lanes) >= 2, lanes
 
 
+@pytest.mark.parametrize("default", [torch.float16, torch.float64])
+def test_codecs_do_not_depend_on_the_default_dtype(inputs, default):
+    """The codecs' work buffers are float32 whatever torch's default dtype is (transformers
+    sets it, process-wide, while it builds a model, e.g. in another thread)."""
+    x = inputs["edge_rows"]
+    refs = {name: ggml_ref.ref_quantize(x, name) for name in ("Q4_0", "Q8_0", "Q3_K", "Q4_K", "Q6_K")}
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = {name: _ours(x, name) for name in refs}
+    finally:
+        torch.set_default_dtype(before)
+    for name in refs:
+        assert np.array_equal(got[name], refs[name]), name
+
+
 def test_thread_counts_are_per_thread():
     """single_threaded_ops in one thread leaves another thread's torch thread count alone
     (torch's count is per thread), also while it is held."""

@@ -50,7 +50,8 @@ def _sendable(e: BaseException) -> BaseException:
 
 def _serve(conn) -> None:
     """The child's loop: requests ``(kind, plan, payload)`` with kind "stage" (payload: the
-    (output, options) pairs of :meth:`ModelRun.start`) or "eval" (payload: paths to score),
+    (output, options) pairs of :meth:`ModelRun.start`) or "eval" (payload: the paths to score
+    and how many of them at once, ``Evaluation.report``'s ``side_by_side``),
     or ``("close", plan, None)`` (forget that model's evaluation); answers with events
     ``("outcome", Outcome)``, ``("eval", EvalReport)``, ``("log", str)`` and a last
     ``("done", exception or None)`` per request. Ends when the pipe closes."""
@@ -87,7 +88,8 @@ def _serve(conn) -> None:
                     if plan.dir not in evaluations:
                         job = plan.job
                         evaluations[plan.dir] = Evaluation(job.source, job.eval, job.compute, progress=False)
-                    conn.send(("eval", evaluations[plan.dir].report([plan.dir / p for p in payload])))
+                    paths, side_by_side = payload
+                    conn.send(("eval", evaluations[plan.dir].report([plan.dir / p for p in paths], side_by_side)))
                 else:
                     if plan.dir not in sources:
                         sources[plan.dir] = open_source(plan)

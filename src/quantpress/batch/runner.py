@@ -446,7 +446,8 @@ def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
     at once in a local run, and those stages' names: one stage at a time without ``lanes``; with
     them, each stage of one lane beside the largest stage of the other lane that may run at the
     same time (neither waits for the other, directly or not) when the two fit the admission
-    budget of :func:`run_model`."""
+    budget of :func:`run_model`, and a scoring that waits for every stage of this process's
+    lane at twice its memory ("<stage> x2", two outputs at once) when that fits the budget."""
     from quantpress.runtime import available_memory
 
     stages = model_stages(plan, eval_each=lanes, exl2_together=True)
@@ -460,8 +461,11 @@ def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
             if a in by_name:
                 before[st.name] |= {a} | before[a]
     best: tuple[int, list[str]] = (0, [])
+    main = {st.name for st in stages if not on_side_lane(st)}
     for st in stages:
         group, total = [st.name], mem(st)
+        if lanes and st.is_eval and main <= before[st.name] and 2 * total <= budget:
+            group, total = [f"{st.name} x2"], 2 * total    # the last scoring: two outputs at once
         beside = [t for t in stages if lanes and on_side_lane(t) != on_side_lane(st)
                   and st.name not in before[t.name] and t.name not in before[st.name]
                   and total + mem(t) <= budget]
@@ -498,8 +502,10 @@ def run_model(plan: ModelPlan, progress: bool = True,
     this process makes the calibrated pass, the GPTQ and the EXL2 targets, each lane one stage
     at a time, a stage as soon as what it waits for is finished; a stage starts beside the
     other lane's only while the two stages' estimated working memory (:func:`stage_memory`)
-    stays within half the memory available when the model started (``MemAvailable``). Only this
-    process records outcomes and writes the manifest.
+    stays within half the memory available when the model started (``MemAvailable``). A
+    scoring that starts when this lane has nothing left to do scores two outputs at once
+    (``Evaluation.report(side_by_side=2)``) when twice its working memory fits that budget.
+    Only this process records outcomes and writes the manifest.
 
     Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs and the
     checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
@@ -604,8 +610,14 @@ def _two_lanes(run: ModelRun, source: Source, side, progress: bool, log: Callabl
             lane = on_side_lane(stage)
             running[lane] = (stage, paths, memory(stage))
             if lane:
-                side.start("eval" if stage.is_eval else "stage", plan, paths if stage.is_eval else inputs,
-                           lambda ev: events.put((True, ev)))
+                if stage.is_eval:
+                    # the last scoring, with nothing left for this lane: its core scores too
+                    alone = False not in running and all(
+                        s.name in run.finished for s in run.stages if not on_side_lane(s))
+                    both = 2 if alone and 2 * memory(stage) <= budget else 1
+                    side.start("eval", plan, (paths, both), lambda ev: events.put((True, ev)))
+                else:
+                    side.start("stage", plan, inputs, lambda ev: events.put((True, ev)))
             else:
                 threading.Thread(target=here, args=(stage, inputs), name=f"quantpress-{stage.name}",
                                  daemon=True).start()

@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,10 @@ class SafetensorsDir:
 #: vocabulary rows of the embedding matrix read at a time by :meth:`StreamingModel.embed`
 EMBED_BLOCK_ROWS = 4096
 
+#: one transformers model skeleton built at a time (see :class:`StreamingModel`)
+_BUILD_LOCK = threading.Lock()
+
+
 def _default_dtype(device: torch.device, config) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32
@@ -188,7 +193,10 @@ class StreamingModel:
         except Exception as e:
             raise InputError(f"{self.dir / 'config.json'}: not a usable transformers config ({e})") from e
         try:
-            with torch.device("meta"):
+            # transformers sets torch's default dtype (process-wide) to the config's while it
+            # builds the model and then back: two builds at once in two threads could leave
+            # the other's dtype behind
+            with _BUILD_LOCK, torch.device("meta"):
                 skel = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         except Exception as e:
             raise InputError(f"{self.dir}: transformers cannot build a causal LM for model_type "

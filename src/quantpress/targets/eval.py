@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -231,14 +232,29 @@ class Evaluation:
         finally:
             sm.release()
 
-    def report(self, outputs: list[str | Path] = ()) -> EvalReport:
+    def report(self, outputs: list[str | Path] = (), side_by_side: int = 1) -> EvalReport:
         """The base (scored by the first report) and every model of ``outputs``, in order;
-        raises as :func:`evaluate`."""
+        raises as :func:`evaluate`. ``side_by_side``: score up to that many outputs at once,
+        each in a thread of its own on one torch intra-op thread
+        (:func:`quantpress.calibration.engine.run_side_by_side`; CPU, torch on one thread);
+        they share only what the base left, which none of them changes, and each output's
+        figures are those it gets alone."""
         t0 = time.perf_counter()
         bound_heap()
         out_lds = self._outputs(outputs)
         results = [self._score_base()]
-        results += [self._score(out_p, ld) for out_p, ld in out_lds]
+        threads = engine.side_by_side_threads(self.device, min(side_by_side, len(out_lds)))
+        if threads > 1:
+            scored: list = [None] * len(out_lds)
+
+            def one(i: int) -> Callable[[], None]:
+                def call() -> None:
+                    scored[i] = self._score(*out_lds[i])
+                return call
+            engine.raise_first(engine.run_side_by_side([one(i) for i in range(len(out_lds))], threads))
+            results += scored
+        else:
+            results += [self._score(out_p, ld) for out_p, ld in out_lds]
         return EvalReport(results, self.options.ctx, self.targets.shape[0], self.text_name, str(self.device),
                           str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
 

@@ -52,7 +52,7 @@ def roundf_small(v: torch.Tensor) -> torch.Tensor:
     itself, the value for which ``trunc(v + 0.5)`` would round up, sums exactly to
     1 - 2**-24 (tests/test_ggml_codecs.py checks the float32 neighbourhoods of every integer
     and half-integer below 256)."""
-    return torch.trunc(v + torch.copysign(torch.tensor(_BELOW_HALF, device=v.device), v))
+    return torch.trunc(v + torch.copysign(torch.tensor(_BELOW_HALF, dtype=v.dtype, device=v.device), v))
 
 
 def fp16_round(x: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     t = _TABLES.get(device)
     if t is None:
         k = torch.arange(_LO, _HI + 1, dtype=torch.int64)
-        idx = (k.unsqueeze(1) >= torch.tensor(_MIDS2)).sum(1)
+        idx = (k.unsqueeze(1) >= torch.tensor(_MIDS2, dtype=torch.int64)).sum(1)
         kv = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32)
         t = tuple(v.to(device) for v in (kv, idx, kv[idx]))
         _TABLES[device] = t

@@ -196,14 +196,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     p_rows = p.unbind(0)
     pl2 = p[:, 1]
     # ST = [sel (the inverse scale whose L is kept), scale, best]; NEW: the step's candidate
-    ST = torch.empty((3, S), device=dev)
-    NEW = torch.empty((3, S), device=dev)
+    ST = torch.empty((3, S), dtype=torch.float32, device=dev)
+    NEW = torch.empty((3, S), dtype=torch.float32, device=dev)
     sel, scale, best = ST.unbind(0)
     iscale, this_scale, this_best = NEW.unbind(0)
-    s = torch.empty((2, S), device=dev)
+    s = torch.empty((2, S), dtype=torch.float32, device=dev)
     sumlx, suml2 = s.unbind(0)
     take = torch.empty(S, dtype=torch.bool, device=dev)
-    t2 = torch.empty(S, device=dev)
+    t2 = torch.empty(S, dtype=torch.float32, device=dev)
 
     def sums(iscale: torch.Tensor) -> None:
         # |iscale*x| <= (nmax + 1)*(1 + eps) in every sub-block with max|x| >= 1e-15 (the
@@ -353,7 +353,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     ends = torch.stack([x.amin(0) if xmin is None else xmin, x.amax(0)])    # [xmin, max] per sub-block
     xmin, mx = ends[0], ends[1]
     # per-sub-block scalars live in rows of small buffers, so that one op updates several
-    V = torch.empty((5, S), device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
+    V = torch.empty((5, S), dtype=torch.float32, device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
     sum_x, sum_w = V[0], V[1]
     _seq_sum_into(w.unbind(0), sum_w)
     wx = w * x
@@ -369,7 +369,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     E_rows = E.unbind(0)
     p = torch.empty((n, 3, S), dtype=x.dtype, device=dev)      # w*l*l, w*l, w*l*x
     p_rows = p.unbind(0)
-    chk = torch.empty((2, S), device=dev)
+    chk = torch.empty((2, S), dtype=torch.float32, device=dev)
 
     def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         nonlocal T
@@ -409,14 +409,14 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     # state: ST = [sel_iscale, sel_shift, best, scale, min]; the step's candidate
     # NEW = [iscale, min used, error, this_scale, this_min]; an accepted step copies NEW
     # into ST (the L kept is recomputed at the end from its inverse scale and shift)
-    ST = torch.empty((5, S), device=dev)
-    NEW = torch.empty((5, S), device=dev)
+    ST = torch.empty((5, S), dtype=torch.float32, device=dev)
+    NEW = torch.empty((5, S), dtype=torch.float32, device=dev)
     sel_iscale, sel_shift, best, scale, mn = ST.unbind(0)
     iscale, mn_used, cur, this_scale, this_min = NEW.unbind(0)
-    Q = torch.empty((6, S), device=dev)
-    R = torch.empty((3, S), device=dev)     # D, D*this_scale, D*this_min numerators
-    den = torch.empty(S, device=dev)
-    alt = torch.empty(S, device=dev)
+    Q = torch.empty((6, S), dtype=torch.float32, device=dev)
+    R = torch.empty((3, S), dtype=torch.float32, device=dev)     # D, D*this_scale, D*this_min numerators
+    den = torch.empty(S, dtype=torch.float32, device=dev)
+    alt = torch.empty(S, dtype=torch.float32, device=dev)
     pos = torch.empty(S, dtype=torch.bool, device=dev)
     take = torch.empty(S, dtype=torch.bool, device=dev)
 

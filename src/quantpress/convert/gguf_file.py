@@ -267,9 +267,11 @@ def reader_raw(rt) -> np.ndarray:
 VERIFY_CHUNK_ELEMENTS = 1 << 22
 
 
-def _drop_pages(reader: GGUFReader, rt) -> None:
-    """Unmap the file pages of a verified tensor (they stay in the page cache), so that the
-    reader's memory map does not grow the process's RSS with the whole file."""
+def drop_pages(reader: GGUFReader, rt) -> None:
+    """Release the process's mapping of tensor ``rt``'s pages in ``reader``'s memory map
+    (``madvise(MADV_DONTNEED)``; the pages stay in the page cache and are read again if the
+    tensor is), so that reading a file tensor by tensor does not grow the process's RSS with
+    the whole file. A no-op where the platform has no ``madvise``."""
     mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
@@ -349,7 +351,7 @@ def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
             rep.mismatches.append(f"{st.name}: missing from the file")
             continue
         _check_tensor(rt, st, types[st.name], None, device, rep)
-        _drop_pages(reader, rt)
+        drop_pages(reader, rt)
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -414,7 +416,7 @@ class RoundTripWatch:
                     self.rep.mismatches.append(f"{st.name}: missing from the file")
                 else:
                     _check_tensor(rt, st, self.types[st.name], source, self.device, self.rep)
-                    _drop_pages(reader, rt)
+                    drop_pages(reader, rt)
                     self._checked.add(st.name)
             except BaseException as e:  # reported by finish()
                 self._error = e

@@ -29,8 +29,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
-from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, open_reader, reader_raw, verify_gguf,
-                                          write_gguf_many)
+from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
+                                          verify_gguf, write_gguf_many)
 from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
@@ -204,7 +204,9 @@ def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -
                              "requantizing is not supported, start from an F32/F16/BF16 file")
 
         def load(rt=rt, tname=tname, shape=shape):
-            return ggml.dequantize(torch.from_numpy(reader_raw(rt).copy()), tname).reshape(shape)
+            raw = reader_raw(rt).copy()
+            drop_pages(reader, rt)   # the source file's pages are not kept mapped
+            return ggml.dequantize(torch.from_numpy(raw), tname).reshape(shape)
         tensors.append(SourceTensor(rt.name, shape, load))
     params = _model_params(arch, kv("block_count"), kv("attention.head_count"),
                            kv("attention.head_count_kv"), kv("expert_count", 0), tensors)

@@ -95,8 +95,10 @@ def hessian_inverse_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) ->
         chol, info = torch.linalg.cholesky_ex(h)
         if int(info) != 0:
             continue
-        # = torch.cholesky_inverse(chol); cholesky_solve is the same product L⁻ᵀL⁻¹ and ~10x
-        # faster on CPU (torch 2.x's CPU cholesky_inverse is slow)
+        # the same product L⁻ᵀL⁻¹ as exllamav2's torch.cholesky_inverse(chol), rounded
+        # differently; on torch 2.13's CPU cholesky_inverse is ~3x faster (1536²: 33 against
+        # 103 ms on one thread), but the factors are ~2% of a measurement and switching changes
+        # the measurements and allocations the README's EXL2 figures come from
         inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
         if not bool(torch.isfinite(inv).all()):
             continue

@@ -91,7 +91,8 @@ def hessian_inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> tuple[t
     """``(U, damp)``: U float32 [K, K] the upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹
     for ``hessian`` float32 [K, K] (not modified). When a factorisation fails the damping grows
     by :data:`DAMP_STEP`, at most :data:`MAX_ATTEMPTS` times (GPTQModel 7.7
-    ``GPTQ.hessian_inverse``). Raises ValueError when none works."""
+    ``GPTQ.hessian_inverse``: ``cholesky``, ``cholesky_inverse``, ``cholesky(upper=True)``).
+    Raises ValueError when none works."""
     mean = torch.diagonal(hessian).mean()
     d = float(damp)
     for _ in range(MAX_ATTEMPTS):
@@ -99,7 +100,7 @@ def hessian_inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> tuple[t
         torch.diagonal(h).add_(d * mean)
         chol, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
-            inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
+            inv = torch.cholesky_inverse(chol)
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
             if int(info) == 0 and bool(torch.isfinite(upper).all()):
                 return upper, d

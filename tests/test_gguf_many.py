@@ -225,3 +225,22 @@ def test_mismatched_plans_are_refused(prepared, tmp_path):
 def test_write_gguf_many_needs_a_file():
     with pytest.raises(ValueError):
         gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))
+
+
+def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """Every later tensor of a shape written with the data of the first tensor of that shape
+    and type: sizes and both dequantizers agree, only the error against the source tells: exit
+    3, the first such tensor named, nothing left."""
+    from quantpress.cli.convert_main import main as convert_main
+
+    real = gguf_file.encode
+    first: dict = {}
+
+    def same_data(t, type_name, device, imatrix=None):
+        return real(first.setdefault((tuple(t.shape), type_name), t), type_name, device, imatrix)
+    monkeypatch.setattr(gguf_file, "encode", same_data)
+    out = tmp_path / "o.gguf"
+    code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3 and not list(tmp_path.iterdir()), err
+    assert "blk.1." in err and "dB SNR against the source tensor" in err, err

@@ -266,6 +266,14 @@ def reader_raw(rt) -> np.ndarray:
 # the error) to a few times this many elements, whatever the tensor size
 VERIFY_CHUNK_ELEMENTS = 1 << 22
 
+#: Lowest signal-to-noise ratio (dB) of a tensor's decoded data against its source that the
+#: round trip accepts. Both dequantizers agree on whatever bytes are in the file, so data
+#: written in the wrong place (another tensor's of the same shape: about −3 dB; zeros: 0 dB;
+#: shifted by a block: about −3 dB) is caught only here. Every ggml type stays far above it:
+#: Q2_K, the coarsest written, gives 8–10.5 dB on random Gaussian, Student-t and
+#: outlier-column tensors, Q3_K 15.5–16.4 dB, the 4-bit types 18–23 dB.
+MIN_SNR_DB = 3.0
+
 
 def drop_pages(reader: GGUFReader, rt) -> None:
     """Release the process's mapping of tensor ``rt``'s pages in ``reader``'s memory map
@@ -313,6 +321,9 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
         rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
     ratio = sig / se if se else math.inf
     snr = 10 * math.log10(ratio) if 0 < ratio < math.inf else (math.inf if se == 0 else -math.inf)
+    if snr < MIN_SNR_DB:
+        rep.mismatches.append(f"{st.name}: its {tname} data decodes to {snr:.1f} dB SNR against the "
+                              f"source tensor, below {MIN_SNR_DB:g} dB (another tensor's data?)")
     rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes),
                                     math.sqrt(se / max(1, st.numel)), max_err, snr))
 
@@ -332,7 +343,8 @@ def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
     For each tensor: name, ggml type and shape must be as planned; gguf-py's independent
     dequantizer (``gguf.quants.dequantize``) must equal ours (``quantize.ggml.dequantize``)
     bit for bit; and the result is compared with the source tensor: RMSE, max |error| and
-    SNR in dB (10 log10 Σx²/Σ(x−x̂)², float32 sums). Works through each tensor in row chunks
+    SNR in dB (10 log10 Σx²/Σ(x−x̂)², float32 sums), which must reach :data:`MIN_SNR_DB` (the
+    bytes are this tensor's, in their place). Works through each tensor in row chunks
     of about VERIFY_CHUNK_ELEMENTS, so memory follows that, not the tensor or the file.
     Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
     (:class:`RoundTripWatch` runs the same checks while the file is being written.)

@@ -230,7 +230,7 @@ def test_write_gguf_many_needs_a_file():
 def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """Every later tensor of a shape written with the data of the first tensor of that shape
     and type: sizes and both dequantizers agree, only the error against the source tells: exit
-    3, the first such tensor named, nothing left."""
+    3, the tensors named, nothing left."""
     from quantpress.cli.convert_main import main as convert_main
 
     real = gguf_file.encode

@@ -434,6 +434,14 @@ def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
     return of
 
 
+def lane_budget() -> int:
+    """Bytes of working memory the stages running at once in a local run may take together:
+    half of MemAvailable now (unbounded where /proc does not tell)."""
+    from quantpress.runtime import available_memory
+
+    return (available_memory() or 1 << 62) // 2
+
+
 def on_side_lane(stage: Stage) -> bool:
     """Whether a local run with two lanes makes ``stage`` in the side lane
     (:mod:`quantpress.batch.lanes`): the GGUF policies and every evaluation; the calibrated
@@ -448,11 +456,9 @@ def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
     same time (neither waits for the other, directly or not) when the two fit the admission
     budget of :func:`run_model`, and a scoring that waits for every stage of this process's
     lane at twice its memory ("<stage> x2", two outputs at once) when that fits the budget."""
-    from quantpress.runtime import available_memory
-
     stages = model_stages(plan, eval_each=lanes, exl2_together=True)
     mem = stage_memory(plan)
-    budget = (available_memory() or 1 << 62) // 2
+    budget = lane_budget()
     by_name = {st.name: st for st in stages}
     before: dict[str, set[str]] = {}
     for st in stages:   # in order: what a stage waits for comes first
@@ -526,22 +532,9 @@ def run_model(plan: ModelPlan, progress: bool = True,
     run.man.computed_on(str(source.device), str(source.dtype).replace("torch.", ""))
     run.man.write()
 
-    def take(stage: Stage, paths: list[str], event: tuple) -> bool:
-        """Record one event of ``stage``; True when the stage is done."""
-        what, value = event
-        if what == "outcome":
-            run.record(value)
-        elif what == "eval":
-            run.record_eval(paths, value)
-        elif what == "log":
-            log(value)
-        else:
-            run.finish(stage, value)
-        return what == "done"
-
     if side is not None:
         try:
-            _two_lanes(run, source, side, progress, log, take)
+            _two_lanes(run, source, side, progress, log)
         finally:
             side.forget(plan)
         return run.close()
@@ -570,8 +563,7 @@ def run_model(plan: ModelPlan, progress: bool = True,
     return run.close()
 
 
-def _two_lanes(run: ModelRun, source: Source, side, progress: bool, log: Callable[[str], None],
-               take: Callable[[Stage, list[str], tuple], bool]) -> None:
+def _two_lanes(run: ModelRun, source: Source, side, progress: bool, log: Callable[[str], None]) -> None:
     """:func:`run_model`'s stages in two lanes: this process's lane in a thread (one torch
     intra-op thread, no autograd), the side lane's in its process; the events of both come
     back through one queue to this thread, which records them and starts what is ready."""
@@ -580,17 +572,28 @@ def _two_lanes(run: ModelRun, source: Source, side, progress: bool, log: Callabl
 
     import torch
 
-    from quantpress.runtime import available_memory
-
     plan = run.plan
     memory = stage_memory(plan)
-    budget = (available_memory() or 1 << 62) // 2
+    budget = lane_budget()
     events: queue.Queue = queue.Queue()
     running: dict[bool, tuple[Stage, list[str], int]] = {}   # by lane: on the side lane or not
 
     def admit(stage: Stage) -> bool:
         return on_side_lane(stage) not in running and (
             not running or sum(m for *_, m in running.values()) + memory(stage) <= budget)
+
+    def take(stage: Stage, paths: list[str], event: tuple) -> bool:
+        """Record one event of ``stage``; True when the stage is done."""
+        what, value = event
+        if what == "outcome":
+            run.record(value)
+        elif what == "eval":
+            run.record_eval(paths, value)
+        elif what == "log":
+            log(value)
+        else:
+            run.finish(stage, value)
+        return what == "done"
 
     def here(stage: Stage, inputs: list) -> None:
         put = lambda ev: events.put((False, ev))  # noqa: E731

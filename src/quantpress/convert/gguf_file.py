@@ -228,8 +228,8 @@ class GGUFFileReader(GGUFReader):
     """gguf-py's ``GGUFReader``, parsing the file exactly as it does, over a plain ndarray view
     of its memory map (kept as ``memmap``). gguf-py slices its ``data`` once or twice for every
     metadata value, and numpy's ``memmap`` subclass makes each slice run a Python-level
-    ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges took 1.5 s to
-    parse that way, 0.5 s over the plain view. Fields and tensors are the same arrays' values
+    ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges took 1.9 s to
+    parse that way, 0.5 s over the plain view (scripts/micro_figures.py). Fields and tensors are the same arrays' values
     (the tensors' ``data`` are ndarray views of the same map)."""
 
     @property
@@ -270,8 +270,9 @@ VERIFY_CHUNK_ELEMENTS = 1 << 22
 #: round trip accepts. Both dequantizers agree on whatever bytes are in the file, so data
 #: written in the wrong place (another tensor's of the same shape: about −3 dB; zeros: 0 dB;
 #: shifted by a block: about −3 dB) is caught only here. Every ggml type stays far above it:
-#: Q2_K, the coarsest written, gives 8–10.5 dB on random Gaussian, Student-t and
-#: outlier-column tensors, Q3_K 15.5–16.4 dB, the 4-bit types 18–23 dB.
+#: Q2_K, the coarsest written, gives 7.9–10.5 dB on random Gaussian, Student-t and
+#: outlier-column tensors, Q3_K 16.4–16.6 dB, the 4-bit types 18.9–22.9 dB
+#: (scripts/micro_figures.py).
 MIN_SNR_DB = 3.0
 
 

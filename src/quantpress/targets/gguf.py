@@ -4,8 +4,9 @@ F32/F16/BF16 GGUF, llama-quantize's job), one target for both.
 The plan is the tensor list (name, shape, a loader), the metadata and one ggml type per
 tensor (:func:`quantpress.convert.gguf_policy.plan_types`, llama.cpp's
 ``llama_tensor_get_type``); tensors are then read, quantized and written one at a time
-(:func:`quantpress.convert.gguf_file.write_gguf`) and the round trip re-reads the file with
-gguf-py (:func:`quantpress.convert.gguf_file.verify_gguf`). Several policies of one source
+(:func:`quantpress.convert.gguf_file.write_gguf_many`) while the round trip re-reads each
+tensor from the file with gguf-py beside the writing
+(:class:`quantpress.convert.gguf_file.RoundTripWatch`). Several policies of one source
 are written together from one read of each source tensor per tensor order
 (:meth:`GGUFTarget.write_together`).
 
@@ -30,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
 from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
-                                          verify_gguf, write_gguf_many)
+                                          write_gguf_many)
 from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
@@ -376,14 +377,11 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     roundtrip: RoundTrip | None = None
 
     def verify(self, tmp: Path, run: Run) -> str:
-        """The round trip run beside :meth:`write_together` (or, for a file written without
-        it, :func:`quantpress.convert.gguf_file.verify_gguf` now): RoundTripError on any
-        mismatch."""
-        pl = self.plan
-        if self.roundtrip is None:
-            self.roundtrip = verify_gguf(tmp, pl.tensors, pl.types, self.device,
-                                         progress=lambda it: run.bar(it, "verify", "tensor"))
+        """The round trip that ran beside :meth:`write_together` (every write goes through
+        it): RoundTripError on any mismatch."""
         rt = self.roundtrip
+        if rt is None:
+            raise RuntimeError(f"{tmp}: verify before write_together (no round trip ran)")
         if not rt.ok:
             raise RoundTripError("round-trip check failed, no output written: "
                                  + "; ".join(rt.mismatches[:5]))

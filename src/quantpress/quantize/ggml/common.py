@@ -187,13 +187,13 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 # Elements per slice for the block codecs on CPU: the codecs keep several float32 copies
 # of their input alive, and slices of 2**19 elements (2 MiB each) keep that working set in
 # the shared cache while each elementwise op is long enough that its Python dispatch (which
-# holds the GIL) stays small next to its work: on a 2-core AMD EPYC, Q4_K took 227 ms for
-# 6.3 M weights with 2**19 on two threads against 308 ms with 2**18 and 361 ms with 2**21.
-# Results do not depend on the slicing (blocks are independent).
+# holds the GIL) stays small next to its work: on a 2-core AMD EPYC, Q4_K took 230 ms for
+# 6.3 M weights with 2**19 on two threads against 278 ms with 2**18 and 245 ms with 2**21
+# (scripts/micro_figures.py). Results do not depend on the slicing (blocks are independent).
 CPU_SLICE_ELEMENTS = 1 << 19
 # Below this many elements a codec call runs on the calling thread alone: handing a slice to
-# another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 2.1 ms alone,
-# 3.1 ms on two threads). The search-based codecs (K-quants, i-quants) spend 5-10x longer per
+# another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 1.2 ms alone,
+# 1.3 ms on two threads, scripts/micro_figures.py). The search-based codecs (K-quants, i-quants) spend 5-10x longer per
 # element, so they share out from CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
 CPU_PARALLEL_ELEMENTS = 1 << 20
 CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
@@ -245,6 +245,7 @@ def intra_op_threads(n: int | None):
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
 _pool_local = threading.local()
 
 
@@ -257,11 +258,12 @@ def _codec_pool(workers: int) -> ThreadPoolExecutor:
     """The process's codec thread pool with at least ``workers`` threads, made once and kept
     (a fresh thread's first torch ops are slow: a new pool per call cost ~8 ms, more than a
     small tensor's whole quantization); each thread runs torch ops single-threaded."""
-    global _pool
+    global _pool, _pool_workers
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
+        if _pool is None or _pool_workers < workers:
             old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="quantpress-codec",
                                                    initializer=_pool_worker_init)
+            _pool_workers = workers
             if old is not None:
                 old.shutdown(wait=False)
         return _pool

@@ -12,9 +12,17 @@ constant or choice it supports (CPU, this machine):
   ``quantize.gptq.hessian_inverse_factor``): ``cholesky_inverse`` against solving against the
   identity, one thread;
 - gguf-py's reader over a plain ndarray view (``convert.gguf_file.GGUFFileReader``) against
-  gguf-py's own, parsing a SmolLM2 GGUF (its 49,152-token vocabulary).
+  gguf-py's own, parsing a SmolLM2 GGUF (its 49,152-token vocabulary);
+- the AWQ scale search's slices (``calibration.awq.SEARCH_SLICE_TOKENS``): float32 matmul
+  throughput of SmolLM2's shapes by tokens per slice, and whether SmolLM2's attention and MLP
+  give, row by row, the same bits over slices as over one batch (what keeps pruning exact);
+- the AWQ search's Gram form (``quantize.awq.linear_output_loss``) on the first ``--awq-layers``
+  layers of SmolLM2 at 16 x 256 tokens: its largest relative error against the loss computed in
+  float64, and the smallest relative gap between the best and second-best loss of a down_proj
+  grid (the form must stay far below it); and the search's seconds per layer with slices of
+  512 and 1,024 tokens and unsliced.
 
-    .venv/bin/python scripts/micro_figures.py [--gguf FILE]
+    .venv/bin/python scripts/micro_figures.py [--gguf FILE] [--awq-layers 3]
 """
 from __future__ import annotations
 
@@ -131,15 +139,110 @@ def reader_parse(gguf: Path | None) -> None:
           f"{ours / 1e3:.2f} s")
 
 
+def awq_search(layers: int) -> None:
+    from phase_memory import truncated_model
+
+    from quantpress import assets
+    from quantpress.calibration import awq as cawq
+    from quantpress.calibration import engine
+    from quantpress.quantize import awq as qawq
+    from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, Source, produce
+
+    for k, n in ((576, 1536), (1536, 576), (576, 576)):
+        w = torch.randn(n, k) * 0.05
+        rates = []
+        for m in (256, 512, 1024, 4096):
+            x = torch.randn(m, k)
+            rates.append(f"{m}: {2 * m * k * n / best_ms(lambda: x @ w.T, 10) / 1e6:.0f}")
+        print(f"float32 matmul [tokens, {k}] x [{k}, {n}], GFLOP/s by tokens: " + ", ".join(rates))
+    sm = engine.StreamingModel(assets.smollm2_dir(), dtype=torch.float32)
+    layer = sm.load_layer(0)
+    x = torch.randn(16, 256, sm.hidden_size)
+    kw = sm.layer_kwargs(0, 16, 256)
+    with torch.no_grad():
+        for name, mod, kwargs in (("self_attn", layer.self_attn, True), ("mlp", layer.mlp, False)):
+            whole = mod(x, **(kw if kwargs else {}))
+            whole = whole[0] if isinstance(whole, tuple) else whole
+            same = []
+            for rows in (1, 2, 4):
+                parts = []
+                for a in range(0, 16, rows):
+                    y = mod(x[a:a + rows], **(sm.layer_kwargs(0, rows, 256) if kwargs else {}))
+                    parts.append(y[0] if isinstance(y, tuple) else y)
+                same.append(f"{rows} row(s) {'equal' if torch.equal(torch.cat(parts), whole) else 'DIFFER'}")
+            print(f"SmolLM2 layer 0 {name} over slices against one batch of 16 x 256: " + ", ".join(same))
+
+    seen, errors, gaps, cur = {}, [], [], []
+    gram_of = qawq.input_gram
+    loss_of = qawq.linear_output_loss
+
+    def gram(x, *a, **k):
+        seen["x"] = x.reshape(-1, x.shape[-1])
+        return gram_of(x, *a, **k)
+
+    def loss(d, g, tokens):
+        v = loss_of(d, g, tokens)
+        exact = float((seen["x"].double() @ d.double().T).pow(2).sum()) / (tokens * d.shape[0])
+        errors.append(abs(v / exact - 1))
+        cur.append(v)
+        return v
+
+    search = cawq.LayerQuantizer.search_scale
+
+    def per_group(self, g, *a):
+        cur.clear()
+        s = search(self, g, *a)
+        if len(cur) == qawq.N_GRID:
+            ordered = sorted(cur)
+            gaps.append(ordered[1] / ordered[0] - 1)
+        return s
+
+    qawq.input_gram, qawq.linear_output_loss = gram, loss
+    cawq.LayerQuantizer.search_scale = per_group
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            model = truncated_model(assets.smollm2_dir(), layers, d)
+            src = Source(str(model), ComputeOptions(device="cpu"), CalibOptions(samples=16, seqlen=256),
+                         progress=False)
+            produce(AWQOptions(group_size=64, clip=False), src, Path(d) / "out", progress=False)
+    finally:
+        qawq.input_gram, qawq.linear_output_loss = gram_of, loss_of
+        cawq.LayerQuantizer.search_scale = search
+    slice_tokens = cawq.SEARCH_SLICE_TOKENS
+    times = []
+    try:
+        for tokens in (512, 1024, 1 << 30):
+            cawq.SEARCH_SLICE_TOKENS = tokens
+            with tempfile.TemporaryDirectory() as d:
+                model = truncated_model(assets.smollm2_dir(), layers, d)
+                src = Source(str(model), ComputeOptions(device="cpu"),
+                             CalibOptions(samples=16, seqlen=256), progress=False)
+                summary = produce(AWQOptions(group_size=64, clip=False), src, Path(d) / "out",
+                                  progress=False)
+            times.append(f"{'unsliced' if tokens > 4096 else tokens}: "
+                         f"{summary.stages['search'] / layers:.2f}")
+    finally:
+        cawq.SEARCH_SLICE_TOKENS = slice_tokens
+    print(f"AWQ search seconds per layer by slice tokens, SmolLM2 first {layers} layers, 16 x 256 "
+          f"tokens, no clip: " + ", ".join(times))
+    print(f"AWQ Gram form, SmolLM2 first {layers} layers, 16 x 256 tokens: {len(errors)} candidates, "
+          f"largest relative error against float64 {max(errors):.1e}; smallest gap between a "
+          f"down_proj grid's best and second-best loss {min(gaps):.1e} (relative)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF with a large vocabulary (default: SmolLM2 "
                     "Q8_0 made by convert hf-to-gguf)")
+    ap.add_argument("--awq-layers", type=int, default=3, help="SmolLM2 layers for the AWQ Gram "
+                    "form's figures (30: all)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     snr_floor()
     codec_threads()
     hessian_factor()
     reader_parse(args.gguf)
+    awq_search(args.awq_layers)
     return 0
 
 

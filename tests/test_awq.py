@@ -160,6 +160,73 @@ def test_search_groups_and_clip_skips(models, monkeypatch):
     assert "model.layers.0.mlp.down_proj.qweight" not in t
 
 
+def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, monkeypatch):
+    """The search's shortcuts change no winner: on every group of a multi-head llama (q/k/v
+    and gate/up by pruned slice-by-slice forwards, v→o and down by the Gram matrix), the scale
+    equals the one of the plain search (all 20 grid points in order, each over all rows at
+    once, the lowest ``output_loss`` wins), while pruning skipped slices and the Gram form
+    scored the linear-only groups."""
+    monkeypatch.setattr(cawq, "SEARCH_SLICE_TOKENS", 64)  # one row per slice
+    orig = cawq.LayerQuantizer.search_scale
+    picked, slices, gram_groups = [], [0], []
+
+    def plain(self, g, layer, t16, caches, ctx):
+        o = self.opts
+        x = caches[self.spec.input_of(g.layers[0])]
+        n = x.shape[0] * x.shape[1]
+        x_mean = qawq.input_mean(x.reshape(n, -1).abs().sum(0, dtype=torch.float32), n)
+        w16 = [t16[m + ".weight"] for m in g.layers]
+        w_mean = qawq.weight_mean(w16, o.group_size)
+        inspect = layer.get_submodule(g.inspect)
+        mods = [layer.get_submodule(m) for m in g.layers]
+        keep = [m.weight.data for m in mods]
+        y0 = ctx.forward(inspect, x, with_kwargs=g.kwargs).clamp(-cawq.FP16_MAX, cawq.FP16_MAX)
+        best, best_loss, losses = None, float("inf"), []
+        for k in range(qawq.N_GRID):
+            s = qawq.grid_scales(x_mean, w_mean, k / qawq.N_GRID, o.duo_scaling)
+            for m, w in zip(mods, w16):
+                m.weight.data = qawq.scaled_fake_quant(w, s, o.bits, o.group_size).float()
+            losses.append(qawq.output_loss(y0, ctx.forward(inspect, x, with_kwargs=g.kwargs)
+                                           .clamp(-cawq.FP16_MAX, cawq.FP16_MAX)))
+            if losses[-1] < best_loss:
+                best, best_loss = s, losses[-1]
+        for m, w in zip(mods, keep):
+            m.weight.data = w
+        return best, sorted(losses)
+
+    def spy(self, g, layer, t16, caches, ctx):
+        ref, losses = plain(self, g, layer, t16, caches, ctx)
+        got = orig(self, g, layer, t16, caches, ctx)
+        picked.append((g.inspect, torch.equal(got, ref), losses[1] / losses[0] - 1))
+        return got
+
+    count_slices = qawq.squared_errors
+
+    def counting(*a):
+        slices[0] += 1
+        return count_slices(*a)
+
+    gram_loss = qawq.linear_output_loss
+
+    def gram_spy(d, gram, tokens):
+        gram_groups.append(tuple(d.shape))
+        return gram_loss(d, gram, tokens)
+
+    monkeypatch.setattr(cawq.LayerQuantizer, "search_scale", spy)
+    monkeypatch.setattr(qawq, "squared_errors", counting)
+    monkeypatch.setattr(qawq, "linear_output_loss", gram_spy)
+    summary = make.awq(models["llama_mha"], tmp_path / "o", samples=12, seqlen=64, group_size=64,
+                       clip=False)
+    assert [p[0] for p in picked] == ["self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"] * 2
+    assert all(p[1] for p in picked), picked
+    # pruned: q/k/v and gate/up of two layers, 20 candidates x 12 one-row slices unpruned
+    assert 0 < slices[0] < 4 * 20 * 12
+    assert summary.details["search"] == {"slices": 4 * 20 * 12, "slices_run": slices[0], "gram": 80}
+    assert any(line.startswith("search     ") and "pruned" in line for line in summary.lines)
+    # v→o [256, 256] and down [256, 576] of both layers by the Gram form (768 tokens > in)
+    assert gram_groups == [(256, 256)] * 20 + [(256, 576)] * 20 + [(256, 256)] * 20 + [(256, 576)] * 20
+
+
 def test_awq_beats_rtn_on_the_calibrated_outputs(models, tmp_path):
     """On the model's own activations, AWQ's layers reproduce the FP16 outputs better than
     round-to-nearest (the objective the search minimizes)."""

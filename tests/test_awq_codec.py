@@ -141,6 +141,48 @@ def test_output_loss_with_scratch_is_the_same_loss():
     assert torch.equal(yh, y_before.half())
 
 
+def test_slice_sums_bound_the_loss_and_the_total_is_the_same():
+    """A candidate scored slice by slice (``squared_errors`` per slice into one scratch, then
+    the scratch's sum) gets ``output_loss``'s value bit for bit, and every running sum of the
+    slices stays at or below it (what makes pruning on the running sum exact)."""
+    g = torch.Generator().manual_seed(6)
+    y0 = torch.randn(6, 40, 48, generator=g) * 2
+    y = y0 + torch.randn(6, 40, 48, generator=g) * 0.05
+    whole = awq.output_loss(y0, y.clone())
+    for dtype in (torch.float32, torch.float16):
+        yc = y.to(dtype, copy=True)
+        scratch = torch.empty(y.shape, dtype=torch.float64)
+        running = 0.0
+        for a in range(0, 6, 2):
+            running += awq.squared_errors(y0[a:a + 2], yc[a:a + 2], scratch[a:a + 2])
+            assert running <= float(scratch[:a + 2].sum()) * (1 + 1e-12)
+        total = float(scratch.sum()) / y.numel()
+        assert total == awq.output_loss(y0, y.to(dtype).clone())
+        assert running / y.numel() == pytest.approx(total, rel=1e-12)
+    assert float(scratch.sum()) / y.numel() != whole  # float16 outputs do score differently
+
+
+def test_gram_form_of_a_linears_loss():
+    """``linear_output_loss(ΔW, XᵀX)`` equals the output form Σ(x·Wᵀ − x·W'ᵀ)² / numel of
+    the same linear on the same inputs (with a bias, which cancels) to float32 rounding, for
+    float32 and float16 inputs (the Gram matrix accumulated over several slices)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 96, generator=g) * 0.1
+    wq = w + torch.randn(48, 96, generator=g) * 0.003
+    b = torch.randn(48, generator=g)
+    for dtype in (torch.float32, torch.float16):
+        x = (torch.randn(5, 70, 96, generator=g) * 3).to(dtype)
+        gram = awq.input_gram(x, slice_tokens=64)
+        xd = x.double().reshape(-1, 96)
+        assert torch.allclose(gram.double(), xd.T @ xd, rtol=1e-5, atol=1e-3)
+        exact = float(((xd @ (w.double() - wq.double()).T) ** 2).mean())
+        got = awq.linear_output_loss(wq - w, gram, 350)
+        assert got == pytest.approx(exact, rel=1e-5)
+        fwd = awq.output_loss(torch.nn.functional.linear(x.float(), w, b),
+                              torch.nn.functional.linear(x.float(), wq, b))
+        assert got == pytest.approx(fwd, rel=1e-4)
+
+
 def test_best_clip_equals_loop_version():
     """The batched search picks, per (row, group), the candidate a direct loop over candidates,
     rows and groups picks (AutoAWQ 0.2.9 ``_compute_best_clip``), with the loop's own float32

@@ -81,7 +81,9 @@ def singles(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
     out = {}
     for p in POLICIES:
         f = d / f"{p}.gguf"
-        produce(GGUFOptions(p), make.source(tiny_llama_dir), f, progress=False)
+        summary = produce(GGUFOptions(p), make.source(tiny_llama_dir), f, progress=False)
+        # the round trip ran beside the writing: one verify figure, no empty "verify" stage
+        assert list(summary.stages)[-2:] == ["quantize+write", "verify (beside writing)"]
         out[p] = _sha(f)
     return out
 

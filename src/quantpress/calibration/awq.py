@@ -8,7 +8,9 @@ For every decoder layer (AutoAWQ 0.2.9 ``awq/quantize/quantizer.py`` ``AwqQuanti
 2. **Scale search** of every scale group against the original weights
    (``_search_best_scale``): x_mean, w_mean, the 20-point grid with or without duo scaling,
    the loss measured on the group's inspect module (``self_attn`` with the layer's mask and
-   rotary embeddings, ``mlp``, or the linear).
+   rotary embeddings, ``mlp``, or the linear). Two exact shortcuts, not in AutoAWQ, keep its
+   winner (:meth:`LayerQuantizer.search_scale`): candidates stop once their error so far
+   exceeds the best loss, and a linear-only group is scored from its inputs' Gram matrix.
 3. **Folding** (``awq/quantize/scale.py`` ``apply_scale``): the norm (or previous linear's
    last rows and bias) is divided by s, the group's input columns multiplied by s, the
    captured inputs divided by s.
@@ -149,6 +151,23 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 LayerSink = Callable[[int, dict, list], None]
 
+#: tokens per slice of the scale search's candidate forwards on CPU (the unit of its pruning):
+#: float32 matmuls of SmolLM2's shapes run at 206-224 GFLOP/s from 512 tokens up on two
+#: cores (190-204 at 256); the search of SmolLM2's first 3 layers at 16 x 256 tokens took
+#: 3.33 s/layer with 1,024-token slices, 3.15 with 512, 3.83 unsliced (scripts/micro_figures.py;
+#: on 4 layers in another run 3.9 / 4.0 / 4.4: 512 and 1,024 are within noise)
+SEARCH_SLICE_TOKENS = 1024
+
+
+def search_slice_rows(seqlen: int, batch_rows: int, device: torch.device) -> int:
+    """Rows per slice of the scale search's candidate forwards: about
+    :data:`SEARCH_SLICE_TOKENS` tokens on CPU (at least one row, at most ``batch_rows``, the
+    engine's forward batch); the whole batch on an accelerator, where small slices would
+    leave it idle and each bound check waits for the device. ``device``: the compute device."""
+    if torch.device(device).type != "cpu":
+        return batch_rows
+    return max(1, min(batch_rows, SEARCH_SLICE_TOKENS // max(1, seqlen)))
+
 
 @dataclass
 class LayerQuantizer:
@@ -160,7 +179,10 @@ class LayerQuantizer:
     checkpoint names (``{prefix}{i}.self_attn.q_proj.qweight``, ``.qzeros``, ``.scales``,
     biases and norms in float16, FP16 ``.weight`` for linears that cannot be quantized) and
     its :class:`LinearResult` list. ``rows``/``seqlen``: the calibration batch shape.
-    ``timings`` accumulates seconds per stage ("search", "clip", "quantize")."""
+    ``timings`` accumulates seconds per stage ("search", "clip", "quantize"); ``search_work``
+    counts the scale search's work: "slices" of candidate forwards a plain search runs,
+    "slices_run" of them run (the rest pruned), "gram" candidates scored from the Gram
+    matrix (see :meth:`search_scale`)."""
 
     spec: ArchSpec
     opts: AWQSettings
@@ -170,7 +192,9 @@ class LayerQuantizer:
     seqlen: int = 0
     timings: dict = field(default_factory=lambda: {"search": 0.0, "clip": 0.0, "quantize": 0.0})
     _caches: dict = field(default_factory=dict)
+    search_work: dict = field(default_factory=lambda: {"slices": 0, "slices_run": 0, "gram": 0})
     _fill: dict = field(default_factory=dict)
+    _last_best: dict = field(default_factory=dict)  # grid index that won, per inspect module
 
     # ---- capture -------------------------------------------------------------------------
 
@@ -302,40 +326,125 @@ class LayerQuantizer:
         MSE between the group's inspect module's output with fake-quantized scaled weights and
         its output with the original weights (``t16``) over all captured inputs (``caches``),
         run through ``ctx`` (the engine's :class:`~quantpress.calibration.engine.LayerContext`).
-        The layer's own weight tensors are put back afterwards."""
+        The lowest loss wins, the lowest grid index among equal losses; when every loss is
+        NaN the scale is all ones. The layer's own weight tensors are put back afterwards.
+
+        Two exact shortcuts (the same FLOPs AutoAWQ and llm-compressor spend, less of them):
+
+        - **Pruning** (branch and bound, :meth:`_forward_scorer`): a candidate runs over the
+          rows slice by slice and stops once its squared errors so far exceed the best
+          complete loss; the grid is visited from the index that won this group in the
+          previous layer outwards, so a good bound comes early. A candidate that is not
+          pruned gets :func:`~quantpress.quantize.awq.output_loss`'s value bit for bit where
+          the slices' forwards equal one batch's row by row (torch 2.13's CPU matmuls and
+          attention do for every shape of SmolLM2 and the test models), so the winner is the
+          plain search's (tests/test_awq.py compares them).
+        - **Gram matrix** (:meth:`_gram_scorer`): when the inspect module is the group's only
+          linear (down_proj; o_proj of multi-head attention) and it has fewer input features
+          than calibration tokens, the loss is ``Σ (ΔW·XᵀX) ∘ ΔW`` from XᵀX computed once
+          (:func:`~quantpress.quantize.awq.linear_output_loss`): the same loss up to
+          float32 rounding, in in/tokens of the multiply-adds, for every candidate whose
+          outputs are provably below float16's limit (the others run forwards)."""
         o = self.opts
         x = caches[self.spec.input_of(g.layers[0])]
         n_tok = x.shape[0] * x.shape[1]
         x_mean = qawq.input_mean(x.reshape(n_tok, -1).abs().sum(0, dtype=torch.float32), n_tok)
         w_orig = [t16[n + ".weight"] for n in g.layers]
         w_mean = qawq.weight_mean(w_orig, o.group_size)
-        inspect = layer.get_submodule(g.inspect)
-        what = f"{g.inspect} of decoder layer {ctx.index}"
-        y0 = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what).clamp(-FP16_MAX, FP16_MAX)
         mods = [layer.get_submodule(n) for n in g.layers]
         dtype = mods[0].weight.dtype
         originals = [m.weight.data for m in mods]
-        best, best_loss, y = None, float("inf"), None
-        # output_loss's float64 scratch: used only for float32 outputs (half types keep its plain form)
-        scratch = (torch.empty(y0.shape, dtype=torch.float64, device=y0.device)
-                   if y0.dtype == torch.float32 else None)
+        forward = functools.partial(self._forward_scorer, g, layer, mods, x, ctx)
+        score = self._gram_scorer(g, mods, x, forward) or forward()
+        start = self._last_best.get(g.inspect, qawq.N_GRID // 2)
+        order = sorted(range(qawq.N_GRID), key=lambda k: (abs(k - start), k))
+        best, best_k, best_loss = None, qawq.N_GRID, float("inf")
         try:
-            for k in range(qawq.N_GRID):
+            for k in order:
                 s = qawq.grid_scales(x_mean.to(x.device), w_mean.to(x.device), k / qawq.N_GRID, o.duo_scaling)
-                for m, w in zip(mods, w_orig):
-                    m.weight.data = qawq.scaled_fake_quant(w, s.to(w.device), o.bits, o.group_size).to(dtype)
-                # one output buffer and one loss scratch for every grid point (at 128 x 512 tokens
-                # fresh [rows, seq, hidden] temporaries per point were mapped and faulted anew)
-                y = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what, out=y).clamp_(-FP16_MAX, FP16_MAX)
-                loss = qawq.output_loss(y0, y, scratch)
-                if loss < best_loss:
-                    best, best_loss = s.clone(), loss
+                wq = [qawq.scaled_fake_quant(w, s.to(w.device), o.bits, o.group_size).to(dtype)
+                      for w in w_orig]
+                loss = score(wq, best_loss)
+                if loss is not None and (loss < best_loss or (loss == best_loss and k < best_k)):
+                    best, best_k, best_loss = s.clone(), k, loss
         finally:  # the layer's own tensors back: other consumers of the pass read them
             for m, w in zip(mods, originals):
                 m.weight.data = w
         if best is None:  # every loss was NaN: keep the identity
-            best = torch.ones_like(x_mean)
+            return torch.ones_like(x_mean)
+        self._last_best[g.inspect] = best_k
         return best
+
+    def _forward_scorer(self, g: ScaleGroup, layer: nn.Module, mods: list, x: torch.Tensor, ctx):
+        """``score(weights, best_loss)`` of :meth:`search_scale` by forwards of the inspect
+        module: sets the group's linears to ``weights``, runs the slices of
+        :func:`search_slice_rows` rows and returns the loss, or None as soon as the squared
+        errors so far exceed ``best_loss`` by a relative 1e-6 (far above float64's summation
+        error, so a pruned candidate's loss is surely higher)."""
+        inspect = layer.get_submodule(g.inspect)
+        what = f"{g.inspect} of decoder layer {ctx.index}"
+        y0 = ctx.forward(inspect, x, with_kwargs=g.kwargs, what=what).clamp(-FP16_MAX, FP16_MAX)
+        # one output buffer and one float64 loss scratch for every grid point (at 128 x 512
+        # tokens fresh [rows, seq, hidden] temporaries per point were mapped and faulted anew)
+        y = torch.empty_like(y0)
+        scratch = torch.empty(y0.shape, dtype=torch.float64, device=y0.device)
+        rows, step = x.shape[0], search_slice_rows(x.shape[1], ctx.batch_size, ctx.model.device)
+        work = self.search_work
+
+        def score(weights: list, best_loss: float) -> float | None:
+            for m, w in zip(mods, weights):
+                m.weight.data = w
+            bound, so_far = best_loss * (1 + 1e-6) * y0.numel(), 0.0
+            work["slices"] += -(-rows // step)
+            for a in range(0, rows, step):
+                ya = ctx.forward(inspect, x[a:a + step], with_kwargs=g.kwargs, what=what,
+                                 out=y[a:a + step], first_row=a).clamp_(-FP16_MAX, FP16_MAX)
+                so_far += qawq.squared_errors(y0[a:a + step], ya, scratch[a:a + step])
+                work["slices_run"] += 1
+                if so_far > bound:
+                    return None
+            return float(scratch.sum()) / y0.numel()
+        return score
+
+    def _gram_scorer(self, g: ScaleGroup, mods: list, x: torch.Tensor, fallback):
+        """``score(weights, best_loss)`` of :meth:`search_scale` from the inputs' Gram matrix,
+        or None when it does not apply: the inspect module must be the group's only linear,
+        with fewer input features than tokens. The Gram form equals the forward form only
+        while no output reaches float16's limit (where the forward form clamps), so each
+        candidate's outputs are bounded first, by the smaller of max‖x_t‖·max‖w_o‖ and
+        max_o Σ_i max_t|x_ti|·|w_oi| (plus max |bias|); a candidate (or an original weight)
+        whose bound reaches FP16_MAX is scored by ``fallback()``'s forward scorer instead."""
+        if len(g.layers) != 1 or g.inspect != g.layers[0] or not isinstance(mods[0], nn.Linear):
+            return None
+        lin = mods[0]
+        xf = x.reshape(-1, x.shape[-1])
+        if xf.shape[1] >= xf.shape[0]:
+            return None
+        x_norm = float(torch.linalg.vector_norm(xf, dim=1, dtype=torch.float32).max())
+        x_absmax = xf.abs().amax(0).float()
+        b_max = float(lin.bias.abs().max()) if lin.bias is not None else 0.0
+
+        def reach(w: torch.Tensor) -> float:
+            wf = w.float()
+            by_norm = x_norm * float(torch.linalg.vector_norm(wf, dim=1).max())
+            by_channel = float((wf.abs() @ x_absmax.to(wf.device)).max())
+            return min(by_norm, by_channel) + b_max
+
+        limit = FP16_MAX * (1 - 1e-3)  # room for the float32 rounding of the bound itself
+        w0 = lin.weight.data.float()
+        if not reach(w0) < limit:  # also False for NaN
+            return None
+        gram = qawq.input_gram(xf)
+        forward = []
+
+        def score(weights: list, best_loss: float) -> float | None:
+            if not reach(weights[0]) < limit:
+                if not forward:
+                    forward.append(fallback())
+                return forward[0](weights, best_loss)
+            self.search_work["gram"] += 1
+            return qawq.linear_output_loss(weights[0].float() - w0, gram, xf.shape[0])
+        return score
 
     def fold(self, g: ScaleGroup, s: torch.Tensor, t16: dict, caches: dict) -> None:
         """Apply scale ``s`` [in_features] of group ``g`` in place (AutoAWQ ``apply_scale``):

@@ -477,13 +477,16 @@ class LayerContext:
 
     @torch.no_grad()
     def forward(self, module: nn.Module, hidden: torch.Tensor, with_kwargs: bool = True,
-                what: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                what: str | None = None, out: torch.Tensor | None = None,
+                first_row: int = 0) -> torch.Tensor:
         """``module`` over ``hidden`` [rows, seqlen, hidden_in] in batches of ``batch_size``
         rows (each batch moved to the compute device), output [rows, seqlen, out] in
         ``model.dtype`` on ``hidden_device``. Tuple outputs (``self_attn``) give their first
         element. ``out``: a tensor to write the output into when its shape, dtype and device
         are those of the output (an earlier output no longer needed; else a new one is made).
-        Raises InputError naming the layer if the output holds NaN/Inf."""
+        ``first_row``: the calibration row ``hidden[0]`` is (when ``hidden`` is a slice), for
+        the message. Raises InputError naming the layer and the rows if the output holds
+        NaN/Inf."""
         m = self.model
         rows, seqlen = hidden.shape[:2]
         for a in range(0, rows, self.batch_size):
@@ -494,7 +497,8 @@ class LayerContext:
                 y = y[0]
             if self.check_finite and not bool(torch.isfinite(y).all()):
                 raise InputError(f"non-finite hidden states (NaN/Inf) in the output of "
-                                 f"{what or f'decoder layer {self.index}'} (rows {a}..{a + x.shape[0] - 1}); "
+                                 f"{what or f'decoder layer {self.index}'} (rows {first_row + a}.."
+                                 f"{first_row + a + x.shape[0] - 1}); "
                                  f"the model overflows in {str(m.dtype).replace('torch.', '')} "
                                  f"or its weights are corrupt")
             if a == 0 and (out is None or out.shape != (rows, seqlen, *y.shape[2:])

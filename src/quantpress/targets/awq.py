@@ -175,13 +175,19 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
                  f"calibration {rows} rows x {seqlen} tokens of {self.text}" if rows else
                  "calibration none (round-to-nearest)",
                  f"weights    mean relative RMSE of the quantized weights {rel:.4f}"]
+        work = self.lq.search_work if self.lq is not None else {}
+        if work.get("slices") or work.get("gram"):
+            pruned = 1 - work["slices_run"] / max(1, work["slices"])
+            lines.append(f"search     {work['slices_run']} of {work['slices']} candidate slices run "
+                         f"({pruned:.0%} pruned), {work['gram']} candidates scored by the Gram form")
         if self.not_converted:
             shown = ", ".join(self.not_converted[:4]) + (" ..." if len(self.not_converted) > 4 else "")
             lines.insert(1, f"kept FP16  {shown}")
         details = {"method": method, "bits": o.bits, "group_size": o.group_size,
                    "duo_scaling": o.duo_scaling, "clip": o.clip, "linears_quantized": len(q),
                    "linears": len(self.results), "modules_to_not_convert": self.not_converted,
-                   "calibration": {"rows": rows, "seqlen": seqlen}, "mean_rel_rmse": rel}
+                   "calibration": {"rows": rows, "seqlen": seqlen}, "mean_rel_rmse": rel,
+                   "search": dict(work)}
         return Summary(self.kind, o.label + (" (rtn)" if o.rtn else ""), out, str(self.source.path),
                        tensor_bytes=self.tensor_bytes, parameters=self.source.parameter_count(),
                        roundtrip=roundtrip, details=details, lines=lines)

@@ -388,6 +388,9 @@ class Target(abc.ABC):
     output_is_dir: ClassVar[bool] = False
     #: the stage name under which a shared reference pass is timed (:meth:`reference_consumer`)
     reference_stage: ClassVar[str] = "reference pass"
+    #: the stage name under which :meth:`verify` is timed (a target whose round trip runs
+    #: beside its writing names the stage that holds that time, so one figure shows it)
+    verify_stage: ClassVar[str] = "verify"
     #: whether the target continues an interrupted temporary output in a work directory
     #: (:func:`produce_many` ``work``); the others start it afresh
     resumable: ClassVar[bool] = False
@@ -608,7 +611,7 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
     by one shared streamed pass (:func:`reference_pass`, timed as each target's
     ``reference_stage``); the others are written by their kind's :meth:`Target.write_together`
     (GGUF policies from one read of each tensor). Each output is then finished
-    (:meth:`Target.write`), verified (stage "verify") and renamed into place, and ``on_done``
+    (:meth:`Target.write`), verified (stage ``verify_stage``) and renamed into place, and ``on_done``
     is called with its :class:`Outcome`.
 
     ``work``: a directory for resumable work (``quantize batch``'s ``.work/``): the temporary
@@ -717,7 +720,7 @@ def produce_many(items: list[tuple[Any, str | Path]], source: Source | str | Pat
             try:
                 if id(target) in fed_ids:
                     target.write(tmp, run)
-                with run.stage("verify"):
+                with run.stage(target.verify_stage):
                     roundtrip = target.verify(tmp, run)
                 install(tmp, oc.out)
                 if work is not None:  # the output's own pass checkpoint, kept until now
@@ -758,7 +761,7 @@ def produce(options: Any, source: Source | str | Path, out: str | Path, *, force
     ``out``: the output path; ``force``: replace an existing one. Order: options validated,
     output path checked, :meth:`Target.prepare`, :meth:`Target.write` to a hidden temporary
     sibling (with the shared reference pass when the target has one), :meth:`Target.verify`
-    (stage "verify"), one rename into place. Returns the :class:`Summary`. Raises InputError
+    (stage ``verify_stage``), one rename into place. Returns the :class:`Summary`. Raises InputError
     for bad input and RoundTripError when the round trip fails; on any error nothing is left
     at ``out`` or at the temporary path."""
     (oc,) = produce_many([(options, out)], source, force=force, progress=progress)

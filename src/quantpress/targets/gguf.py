@@ -285,6 +285,9 @@ def finish_plan(plan: GGUFPlan, params: gguf_policy.ModelParams, options: GGUFOp
 class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     """A GGUF file from an HF directory or an F32/F16/BF16 GGUF (:class:`GGUFOptions`)."""
 
+    #: the round trip runs beside the writing (:meth:`write_together`); verify only reports it
+    verify_stage = "verify (beside writing)"
+
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):
             self.device = self.source.device
@@ -309,7 +312,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         ``runs[0]`` and added to the other runs (the targets share it). Each file's round
         trip runs beside the writing (``write_gguf_many(verify=True)``, checking each tensor
         against the source tensor just read); :meth:`verify` then reports it, and each run
-        gets the checking thread's seconds as stage "verify (beside writing)".
+        gets the checking thread's seconds as stage :attr:`verify_stage`, the stage
+        :meth:`verify`'s report is then timed in too.
 
         Raises ValueError when the lists differ in length or are empty, a target is not
         prepared, the targets are not of one source path, or the plans of a group differ in
@@ -371,7 +375,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         for r in {id(r): r for r in runs[1:] if r is not run}.values():
             r.stages["quantize+write"] = r.stages.get("quantize+write", 0.0) + shared
         for t, r in zip(targets, runs):
-            key = "verify (beside writing)"
+            key = t.verify_stage
             r.stages[key] = r.stages.get(key, 0.0) + t.roundtrip.seconds
 
     roundtrip: RoundTrip | None = None

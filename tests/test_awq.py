@@ -160,9 +160,11 @@ def test_search_groups_and_clip_skips(models, monkeypatch):
     assert "model.layers.0.mlp.down_proj.qweight" not in t
 
 
-def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["llama_mha", "qwen3"])
+def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, monkeypatch, name):
     """The search's shortcuts change no winner: on every group of a multi-head llama (q/k/v
-    and gate/up by pruned slice-by-slice forwards, v→o and down by the Gram matrix), the scale
+    and gate/up by pruned slice-by-slice forwards, v→o and down by the Gram matrix) and of a
+    qwen3 (grouped-query attention with q/k norms: no v→o group), the scale
     equals the one of the plain search (all 20 grid points in order, each over all rows at
     once, the lowest ``output_loss`` wins), while pruning skipped slices and the Gram form
     scored the linear-only groups."""
@@ -215,16 +217,20 @@ def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, 
     monkeypatch.setattr(cawq.LayerQuantizer, "search_scale", spy)
     monkeypatch.setattr(qawq, "squared_errors", counting)
     monkeypatch.setattr(qawq, "linear_output_loss", gram_spy)
-    summary = make.awq(models["llama_mha"], tmp_path / "o", samples=12, seqlen=64, group_size=64,
+    summary = make.awq(models[name], tmp_path / "o", samples=12, seqlen=64, group_size=64,
                        clip=False)
-    assert [p[0] for p in picked] == ["self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"] * 2
+    linear_only = {"llama_mha": [(256, 256), (256, 576)], "qwen3": [(256, 576)]}[name]
+    groups = ["self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj"] if name == "llama_mha" else \
+        ["self_attn", "mlp", "mlp.down_proj"]
+    assert [p[0] for p in picked] == groups * 2
     assert all(p[1] for p in picked), picked
     # pruned: q/k/v and gate/up of two layers, 20 candidates x 12 one-row slices unpruned
     assert 0 < slices[0] < 4 * 20 * 12
-    assert summary.details["search"] == {"slices": 4 * 20 * 12, "slices_run": slices[0], "gram": 80}
+    assert summary.details["search"] == {"slices": 4 * 20 * 12, "slices_run": slices[0],
+                                         "gram": 2 * 20 * len(linear_only)}
     assert any(line.startswith("search     ") and "pruned" in line for line in summary.lines)
     # v→o [256, 256] and down [256, 576] of both layers by the Gram form (768 tokens > in)
-    assert gram_groups == [(256, 256)] * 20 + [(256, 576)] * 20 + [(256, 256)] * 20 + [(256, 576)] * 20
+    assert gram_groups == [shape for shape in linear_only for _ in range(20)] * 2
 
 
 def test_awq_beats_rtn_on_the_calibrated_outputs(models, tmp_path):

@@ -160,15 +160,20 @@ def test_search_groups_and_clip_skips(models, monkeypatch):
     assert "model.layers.0.mlp.down_proj.qweight" not in t
 
 
-@pytest.mark.parametrize("name", ["llama_mha", "qwen3"])
-def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("name,clamp", [("llama_mha", None), ("qwen3", None), ("llama_mha", 0.01)])
+def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, monkeypatch, name,
+                                                              clamp):
     """The search's shortcuts change no winner: on every group of a multi-head llama (q/k/v
     and gate/up by pruned slice-by-slice forwards, v→o and down by the Gram matrix) and of a
     qwen3 (grouped-query attention with q/k norms: no v→o group), the scale
     equals the one of the plain search (all 20 grid points in order, each over all rows at
     once, the lowest ``output_loss`` wins), while pruning skipped slices and the Gram form
-    scored the linear-only groups."""
+    scored the linear-only groups. With the outputs' clamp lowered to 0.01 (standing in for
+    float16's limit, which the Gram form cannot clamp at) the linear-only groups' outputs may
+    reach it, so they run forwards, clamped like the plain search's, with the same winners."""
     monkeypatch.setattr(cawq, "SEARCH_SLICE_TOKENS", 64)  # one row per slice
+    if clamp is not None:
+        monkeypatch.setattr(cawq, "FP16_MAX", clamp)
     orig = cawq.LayerQuantizer.search_scale
     picked, slices, gram_groups = [], [0], []
 
@@ -224,6 +229,11 @@ def test_pruned_and_gram_search_picks_the_plain_searchs_scale(models, tmp_path, 
         ["self_attn", "mlp", "mlp.down_proj"]
     assert [p[0] for p in picked] == groups * 2
     assert all(p[1] for p in picked), picked
+    if clamp is not None:  # every group by forwards: 2 layers x 4 groups x 20 x 12 slices
+        assert not gram_groups and summary.details["search"]["gram"] == 0
+        assert summary.details["search"]["slices"] == 2 * 4 * 20 * 12
+        assert 0 < slices[0] < 2 * 4 * 20 * 12
+        return
     # pruned: q/k/v and gate/up of two layers, 20 candidates x 12 one-row slices unpruned
     assert 0 < slices[0] < 4 * 20 * 12
     assert summary.details["search"] == {"slices": 4 * 20 * 12, "slices_run": slices[0],

@@ -191,8 +191,8 @@ class LayerQuantizer:
     rows: int = 0
     seqlen: int = 0
     timings: dict = field(default_factory=lambda: {"search": 0.0, "clip": 0.0, "quantize": 0.0})
-    _caches: dict = field(default_factory=dict)
     search_work: dict = field(default_factory=lambda: {"slices": 0, "slices_run": 0, "gram": 0})
+    _caches: dict = field(default_factory=dict)
     _fill: dict = field(default_factory=dict)
     _last_best: dict = field(default_factory=dict)  # grid index that won, per inspect module
 

@@ -229,8 +229,8 @@ class GGUFFileReader(GGUFReader):
     of its memory map (kept as ``memmap``). gguf-py slices its ``data`` once or twice for every
     metadata value, and numpy's ``memmap`` subclass makes each slice run a Python-level
     ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges took 1.9 s to
-    parse that way, 0.5 s over the plain view (scripts/micro_figures.py). Fields and tensors are the same arrays' values
-    (the tensors' ``data`` are ndarray views of the same map)."""
+    parse that way, 0.5 s over the plain view (scripts/micro_figures.py). Fields and tensors
+    are the same arrays' values (the tensors' ``data`` are ndarray views of the same map)."""
 
     @property
     def data(self) -> np.ndarray:

@@ -96,9 +96,9 @@ def hessian_inverse_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) ->
         if int(info) != 0:
             continue
         # the same product L⁻ᵀL⁻¹ as exllamav2's torch.cholesky_inverse(chol), rounded
-        # differently; on torch 2.13's CPU cholesky_inverse is ~3x faster (1536²: 32 against
-        # 92 ms on one thread, scripts/micro_figures.py), but the factors are ~2% of a measurement and switching changes
-        # the measurements and allocations the README's EXL2 figures come from
+        # differently; on torch 2.13's CPU cholesky_inverse is ~3x faster (1536²: 33 against
+        # 93 ms on one thread, scripts/micro_figures.py), but switching changes the
+        # measurements and allocations the README's EXL2 figures come from (kept for now)
         inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
         if not bool(torch.isfinite(inv).all()):
             continue

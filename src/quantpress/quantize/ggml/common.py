@@ -193,8 +193,9 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 CPU_SLICE_ELEMENTS = 1 << 19
 # Below this many elements a codec call runs on the calling thread alone: handing a slice to
 # another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 1.2 ms alone,
-# 1.3 ms on two threads, scripts/micro_figures.py). The search-based codecs (K-quants, i-quants) spend 5-10x longer per
-# element, so they share out from CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
+# 1.3-1.4 ms on two threads, scripts/micro_figures.py). The search-based codecs (K-quants,
+# i-quants) spend 5-10x longer per element, so they share out from
+# CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
 CPU_PARALLEL_ELEMENTS = 1 << 20
 CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 

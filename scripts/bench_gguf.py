@@ -11,12 +11,27 @@ whether the two outputs carry identical tensors.
   python scripts/bench_gguf.py --device cuda         # our quantization on the GPU
   python scripts/bench_gguf.py --imatrix FILE        # both with importance weights (llama.cpp:
                                                      # the llama-quantize tool, --imatrix FILE)
+
+The quantization step alone (`--quantize-only`): one F16 GGUF (ours, `convert hf-to-gguf
+--policy F16`, or `--f16 FILE`), quantized by the llama-quantize tool on all cores and by
+`quantize gguf --device D`; compares llama-quantize's own "quantize time" with our
+"quantize+write" stage, and the two processes' wall times:
+
+  python scripts/bench_gguf.py --model synth4x --quantize-only --device cuda [--imatrix FILE]
+
+`--split` adds, in one more process, our quantize+write without the round trip
+(``write_gguf_many(verify=False)`` on the same plan, the second of two runs, so that a GPU's
+warm-up is left out): how much of the stage the round trip takes.
+
+`--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
+`--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,29 +48,35 @@ from quantpress import assets  # noqa: E402
 PY = sys.executable
 
 
-def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
-    """Run ``cmd``; return (wall seconds, peak RSS MiB) of that process."""
+def measure(cmd: list[str], env: dict | None = None, log: list[str] | None = None) -> tuple[float, float]:
+    """Run ``cmd``; return (wall seconds, peak RSS MiB) of that process. With ``log`` (a list),
+    the process's stdout and stderr are appended to it as one string."""
     with tempfile.TemporaryFile() as err:  # a pipe would fill up and block the child
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if log is None else err, stderr=err)
         _, status, ru = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
+        err.seek(0)
+        text = err.read().decode(errors="replace")
         if os.waitstatus_to_exitcode(status) != 0:
-            err.seek(0)
-            raise SystemExit(f"failed: {' '.join(cmd)}\n{err.read().decode()[-2000:]}")
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{text[-2000:]}")
+        if log is not None:
+            log.append(text)
     return wall, ru.ru_maxrss / 1024
 
 
-def synth4x() -> Path:
-    """A random llama with ~554M parameters (4.1x SmolLM2), FP16, cached."""
+def synth4x(tokenizer: Path | None = None) -> Path:
+    """A random llama with ~554M parameters (4.1x SmolLM2), FP16, cached; its tokenizer files
+    from ``tokenizer`` (default: SmolLM2's directory in the cache)."""
     out = assets.cache_root() / "models" / "synth-llama-554M"
     if (out / "config.json").exists():
         return out
     import synth
     import torch
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    synth.make_model(tmp, "llama", assets.smollm2_dir(), dtype=torch.float16, hidden_size=1536,
+    synth.make_model(tmp, "llama", tokenizer or assets.smollm2_dir(), dtype=torch.float16, hidden_size=1536,
                      intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
                      num_key_value_heads=4, max_shard_size="400MB")
     tmp.chmod(0o755)
@@ -70,8 +91,19 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--imatrix", help="an imatrix file for both quantizers (quantize imatrix's or llama-imatrix's)")
+    ap.add_argument("--quantize-only", action="store_true",
+                    help="time the quantization of one F16 GGUF alone: llama-quantize against quantize gguf")
+    ap.add_argument("--f16", help="--quantize-only: this F16 GGUF (made from --model there when missing)")
+    ap.add_argument("--llama-quantize", help="path of the llama-quantize tool (default: built in the cache)")
+    ap.add_argument("--tokenizer", help="tokenizer directory for --model synth4x (default: SmolLM2's)")
+    ap.add_argument("--split", action="store_true",
+                    help="--quantize-only: also time quantize+write without the round trip")
     args = ap.parse_args()
-    model = {"smollm2": assets.smollm2_dir, "synth4x": synth4x}.get(args.model, lambda: Path(args.model))()
+    tok = Path(args.tokenizer) if args.tokenizer else None
+    model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: synth4x(tok)}.get(
+        args.model, lambda: Path(args.model))()
+    if args.quantize_only:
+        return quantize_only(args, model)
     src = llamacpp_tools.llamacpp_src()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     nthread = os.cpu_count() or 1
@@ -90,10 +122,10 @@ def main() -> int:
         else:
             quant = measure([PY, "-c", quant_code, str(ref_f16), str(ref_q)])
         report = d / "report.json"
-        mine = measure([str(REPO / ".venv/bin/convert"), "hf-to-gguf", str(model), "--policy", args.policy,
+        mine = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
                         "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages = json.loads(report.read_text())["stages"]
-        mine_q = measure([str(REPO / ".venv/bin/quantize"), "gguf", str(ref_f16), "--policy", args.policy,
+        mine_q = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
                           "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages_q = json.loads(report.read_text())["stages"]
         from refs import tensors_of
@@ -125,6 +157,78 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=1))
     return 0 if identical else 1
+
+
+def quantize_only(args, model: Path) -> int:
+    """The quantization step alone: llama-quantize (all cores) and ``quantize gguf --device``
+    on the same F16 GGUF; prints and returns 0 when both wrote identical tensors."""
+    lq = Path(args.llama_quantize) if args.llama_quantize else llamacpp_tools.tool("llama-quantize")
+    nthread = os.cpu_count() or 1
+    im = ["--imatrix", str(Path(args.imatrix).resolve())] if args.imatrix else []
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        f16 = Path(args.f16) if args.f16 else d / "f16.gguf"
+        conv = None
+        if not f16.exists():
+            conv = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", "F16",
+                            "-o", str(f16), "--quiet"])
+        ref_q, ours_q, report = d / "ref-q.gguf", d / "ours-q.gguf", d / "report.json"
+        log: list[str] = []
+        quant = measure([str(lq), *im, str(f16), str(ref_q), args.policy, str(nthread)], log=log)
+        m = re.search(r"quantize time\s*=\s*([0-9.]+) ms", log[-1])
+        quant_step = float(m.group(1)) / 1000 if m else float("nan")
+        mine = measure([PY, "-m", "quantpress", "quantize", "gguf", str(f16), "--policy", args.policy,
+                        "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
+        stages = json.loads(report.read_text())["stages"]
+        from refs import tensors_of
+        identical = tensors_of(ours_q) == tensors_of(ref_q)
+        bare = None
+        if args.split:
+            log = []
+            measure([PY, "-c", NO_ROUND_TRIP, str(f16), args.policy, args.device, str(d / "bare.gguf"),
+                     args.imatrix or ""], log=log)
+            bare = float(log[-1].split()[-1])
+    step = stages.get("quantize+write", float("nan"))
+    fig = {
+        "model": str(model), "policy": args.policy, "device": args.device, "imatrix": args.imatrix,
+        "nthread_llamacpp": nthread, "f16_convert_s": conv and conv[0],
+        "llamacpp_quantize_step_s": quant_step, "llamacpp_wall_s": quant[0], "llamacpp_peak_rss_mib": quant[1],
+        "ours_quantize_step_s": step, "ours_wall_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_stages_s": stages,
+        "speedup_step_llamacpp_over_ours": quant_step / step, "speedup_wall_llamacpp_over_ours": quant[0] / mine[0],
+        "identical_tensors": identical, "ours_quantize_write_without_round_trip_s": bare,
+    }
+    print(f"model {model} ({args.policy}{', imatrix' if im else ''}; ours on {args.device}, "
+          f"llama-quantize nthread={nthread})")
+    print(f"  llama-quantize: quantize time {quant_step:7.2f} s, process {quant[0]:7.2f} s, {quant[1]:6.0f} MiB")
+    print(f"  quantize gguf:  quantize+write {step:7.2f} s, process {mine[0]:7.2f} s, {mine[1]:6.0f} MiB; stages "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()))
+    print(f"  llama-quantize / ours: quantization step {fig['speedup_step_llamacpp_over_ours']:.2f}x, "
+          f"process {fig['speedup_wall_llamacpp_over_ours']:.2f}x; identical tensors: {identical}")
+    if bare is not None:
+        print(f"  quantize+write without the round trip: {bare:7.2f} s (llama-quantize / that: {quant_step / bare:.2f}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=1))
+    return 0 if identical else 1
+
+
+#: ``--split``: quantize+write of an F16 GGUF's plan without the round trip, twice in one
+#: process; prints the second run's seconds last (argv: F16 file, policy, device, output, imatrix or "")
+NO_ROUND_TRIP = """
+import sys, time, torch
+from pathlib import Path
+from quantpress.convert import gguf_file
+from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
+src, policy, dev, out, im = sys.argv[1:6]
+dev = torch.device(dev)
+plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
+for run in range(2):
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        gguf_file.write_gguf_many([(Path(out), plan.kvs, plan.types, plan.imatrix)], plan.arch, plan.tensors, dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"run {run + 1}: {time.perf_counter() - t0:.3f}")
+"""
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ constant or choice it supports (CPU, this machine):
   grid (the form must stay far below it); and the search's seconds per layer with slices of
   512 and 1,024 tokens and unsliced.
 
-    .venv/bin/python scripts/micro_figures.py [--gguf FILE] [--awq-layers 3]
+With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
+Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
+(2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
+
+    .venv/bin/python scripts/micro_figures.py [--gguf FILE] [--awq-layers 3] [--cuda]
 """
 from __future__ import annotations
 
@@ -230,14 +234,45 @@ def awq_search(layers: int) -> None:
           f"down_proj grid's best and second-best loss {min(gaps):.1e} (relative)")
 
 
+def ggml_cuda_chunks() -> None:
+    """Q4_K / Q6_K of 67 M weights on CUDA by ``ACCEL_CHUNK_ELEMENTS``: ms and GPU memory added."""
+    import quantpress.quantize.ggml as qg
+
+    x = torch.randn(8192, 8192, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    w = torch.rand(8192, device="cuda") + 0.1
+    kept = qg.ACCEL_CHUNK_ELEMENTS
+    try:
+        for t in ("Q4_K", "Q6_K"):
+            for ch in (1 << 24, 1 << 25, 1 << 26):
+                qg.ACCEL_CHUNK_ELEMENTS = ch
+                for im in (None, w):
+                    qg.quantize(x[:512], t, imatrix=im)           # warm-up
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    t0 = time.perf_counter()
+                    qg.quantize(x, t, imatrix=im)
+                    torch.cuda.synchronize()
+                    ms = (time.perf_counter() - t0) * 1e3
+                    add = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    print(f"{t} chunks of 2^{ch.bit_length() - 1} elements, "
+                          f"{'imatrix' if im is not None else 'plain'}: {ms:.1f} ms, +{add:.0f} MiB of GPU memory")
+    finally:
+        qg.ACCEL_CHUNK_ELEMENTS = kept
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF with a large vocabulary (default: SmolLM2 "
                     "Q8_0 made by convert hf-to-gguf)")
     ap.add_argument("--awq-layers", type=int, default=3, help="SmolLM2 layers for the AWQ Gram "
                     "form's figures (30: all)")
+    ap.add_argument("--cuda", action="store_true", help="only the GPU figure (ggml chunk size on CUDA)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if args.cuda:
+        ggml_cuda_chunks()
+        return 0
     snr_floor()
     codec_threads()
     hessian_factor()

@@ -57,7 +57,7 @@ def test_internal_error_is_exit_1_with_one_line(tiny_llama_dir, tmp_path, capsys
     def broken(*a, **k):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (injected)")
 
-    monkeypatch.setattr(gguf_file, "encode", broken)
+    monkeypatch.setattr(gguf_file, "encode_many", broken)
     argv = ["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q8_0", "-o", str(tmp_path / "o.gguf"), "--quiet"]
     assert convert_main(argv) == 1
     err = _err(capsys)

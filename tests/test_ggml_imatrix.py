@@ -186,3 +186,29 @@ def test_imatrix_shape_and_dtype(name):
     assert not torch.equal(out, qg.quantize(x, name))
     with pytest.raises(ValueError):
         qg.quantize(x, name, imatrix=im[:256])
+
+
+# ----------------------------------------------------------------------------- several tensors
+
+@pytest.mark.parametrize("name", WEIGHTED + ["Q8_0", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("chunk_blocks", [None, 7])
+def test_quantize_many_equals_llamacpp_per_tensor(name, chunk_blocks, monkeypatch):
+    """quantize_many: tensors of three widths, float32 and float16, with and without importance
+    weights, in one pass (and cut into chunks of 7 blocks, as off the CPU, across tensor
+    boundaries): each tensor's bytes are llama.cpp's for that tensor alone."""
+    if chunk_blocks is not None:
+        monkeypatch.setattr(qg, "_blocks_per_chunk", lambda nb, bs, device: chunk_blocks)
+    xs = [_random_tensor(20, 5, 256), _random_tensor(21, 3, 1024).astype(np.float16),
+          edge_rows(), _random_tensor(22, 2, 512)]
+    ims = [_imatrix("lognormal", 256, seed=8), None, _imatrix("zeros", xs[2].shape[1], seed=9),
+           _imatrix("huge", 512, seed=10)]
+    outs = qg.quantize_many([torch.from_numpy(x) for x in xs], name,
+                            [None if w is None else torch.from_numpy(w) for w in ims])
+    for x, w, out in zip(xs, ims, outs):
+        ref = ggml_ref.ref_quantize(x.astype(np.float32), name, imatrix=w)
+        assert out.dtype == torch.uint8 and np.array_equal(out.numpy(), ref)
+    if qg.get(name).quantize_blocks_weighted is not None:   # Q8_0 ignores importance weights
+        with pytest.raises(ValueError, match="imatrix has shape"):
+            qg.quantize_many([torch.from_numpy(xs[0])], name, [torch.ones(512)])
+    with pytest.raises(ValueError, match="2 imatrices"):
+        qg.quantize_many([torch.from_numpy(xs[0])], name, [None, None])

@@ -96,6 +96,31 @@ def test_imatrix_quantize_equals_llama_quantize(inputs, tmp_path, model, policy)
     assert kv["quantize.imatrix.entries_count"][1] > 0
 
 
+@pytest.mark.parametrize("model,policy,flags", [("llama", "Q4_K_M", ()), ("qwen3", "Q4_0", ()),
+                                                ("llama", "Q3_K_S", ("--exclude-weights", "blk.0.ffn_down.weight"))])
+def test_windows_of_tensors_equal_llama_quantize(inputs, tmp_path, monkeypatch, model, policy, flags):
+    """The accelerator path of write_gguf_many on the CPU: tensors read ahead into windows of
+    ~400k elements (several tensors, of several types, weighted and not) and each window
+    encoded in one pass per type, the round trip in three threads, still write
+    llama-quantize's bytes."""
+    from quantpress.convert import gguf_file
+
+    monkeypatch.setattr(gguf_file, "_window_elements", lambda device: 400_000)
+    monkeypatch.setattr(gguf_file, "_verify_workers", lambda device: 3)
+    seen = []
+    real = gguf_file.encode_many
+
+    def spy(items, device):
+        seen.append(len(items))
+        return real(items, device)
+    monkeypatch.setattr(gguf_file, "encode_many", spy)
+    src, im = inputs["f16"][model], inputs["imatrix"][model]
+    ref = llama_quantize(src, tmp_path / "ref.gguf", policy, "--imatrix", str(im), *flags)
+    ours_quantize(src, tmp_path / "ours.gguf", policy, "--imatrix", str(im), *flags)
+    assert max(seen) > 5 and len(seen) < len(tensors_of(ref)) / 3, seen
+    assert_same_file(tmp_path / "ours.gguf", ref)
+
+
 def test_legacy_dat_imatrix_and_filters(inputs, tmp_path):
     """llama-imatrix's legacy .dat, and --include-weights / --exclude-weights."""
     src, dat = inputs["f16"]["smollm2"], inputs["imatrix"]["smollm2.dat"]

@@ -99,12 +99,13 @@ def test_together_is_byte_identical_and_reads_once_per_order(prepared, tmp_path,
     assert len(groups) == 2 and sorted(map(len, groups.values())) == [1, 3]
     calls = _count_loads(targets)
     encoded: Counter = Counter()
-    real_encode = gguf_file.encode
+    real_encode = gguf_file.encode_many
 
-    def counting_encode(t, type_name, device, imatrix=None):
-        encoded[type_name] += 1
-        return real_encode(t, type_name, device, imatrix)
-    monkeypatch.setattr(gguf_file, "encode", counting_encode)
+    def counting_encode(items, device):
+        for _, type_name, _ in items:
+            encoded[type_name] += 1
+        return real_encode(items, device)
+    monkeypatch.setattr(gguf_file, "encode_many", counting_encode)
     run = Run(progress=False)
     tmps = [tmp_path / f"{p}.gguf" for p in POLICIES]
     GGUFTarget.write_together(targets, tmps, [run] * len(targets))
@@ -229,18 +230,21 @@ def test_write_gguf_many_needs_a_file():
         gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))
 
 
-def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, workers):
     """Every later tensor of a shape written with the data of the first tensor of that shape
     and type: sizes and both dequantizers agree, only the error against the source tells: exit
-    3, the tensors named, nothing left."""
+    3, the tensors named, nothing left; also with the round trip in three threads (as off
+    the CPU)."""
     from quantpress.cli.convert_main import main as convert_main
 
-    real = gguf_file.encode
+    monkeypatch.setattr(gguf_file, "_verify_workers", lambda device: workers)
+    real = gguf_file.encode_many
     first: dict = {}
 
-    def same_data(t, type_name, device, imatrix=None):
-        return real(first.setdefault((tuple(t.shape), type_name), t), type_name, device, imatrix)
-    monkeypatch.setattr(gguf_file, "encode", same_data)
+    def same_data(items, device):
+        return real([(first.setdefault((tuple(t.shape), ty), t), ty, w) for t, ty, w in items], device)
+    monkeypatch.setattr(gguf_file, "encode_many", same_data)
     out = tmp_path / "o.gguf"
     code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
     err = capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Streaming GGUF writing and round-trip verification, on gguf-py's GGUFWriter/GGUFReader.
 
 Tensors are described up front (name, shape, ggml type), then produced, quantized and
-written one at a time, so peak memory follows the largest tensor, not the model. The file
+written one at a time (on an accelerator, a window of tensors at a time), so peak memory
+follows the largest tensor, not the model. The file
 goes to a temporary path next to the output and is renamed only after it has been re-read
 and verified. Several files of one model (policies sharing a tensor order) are written side
 by side from one read of each source tensor (:func:`write_gguf_many`).
@@ -93,24 +94,63 @@ def encode(t: torch.Tensor, type_name: str, device: torch.device,
     ``imatrix``: importance weights, float32 [n] for every row, or [n_mat · n] for a 3-D
     tensor [n_mat, rows, n] (one slice per expert matrix, as ``llama_tensor_quantize_impl``'s
     ``imatrix_for_row``); passed to :func:`quantpress.quantize.ggml.quantize`. ValueError when
-    its size fits neither."""
-    x = t.to(device)
-    n = x.shape[-1]
-    if imatrix is None or imatrix.numel() == n:
-        w = None if imatrix is None else imatrix.reshape(n).to(device)
-        raw = ggml.quantize(x.reshape(-1, n), type_name, imatrix=w)
-    elif x.dim() == 3 and imatrix.numel() == n * x.shape[0]:
-        w = imatrix.reshape(x.shape[0], n).to(device)
-        raw = torch.cat([ggml.quantize(x[e], type_name, imatrix=w[e]) for e in range(x.shape[0])])
-    else:
-        raise ValueError(f"imatrix of {imatrix.numel()} values for a tensor of shape {tuple(x.shape)}")
-    return raw.cpu().numpy()
+    its size fits neither. :func:`encode_many` with one tensor."""
+    return encode_many([(t, type_name, imatrix)], device)[0]
+
+
+def encode_many(items: list[tuple[torch.Tensor, str, torch.Tensor | None]],
+                device: torch.device) -> list[np.ndarray]:
+    """:func:`encode` of several ``(tensor, type_name, imatrix)`` items, each type's tensors
+    quantized in one :func:`quantpress.quantize.ggml.quantize_many` call (on an accelerator
+    the codecs cost their op count, so a window of tensors costs about what one did).
+    Returns the uint8 numpy [rows, row_bytes] of each item, in order; the bytes are each
+    item's :func:`encode`. ValueError as :func:`encode`."""
+    groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
+    on_device: dict[int, torch.Tensor] = {}            # a tensor of several items moves once
+    for i, (t, type_name, imatrix) in enumerate(items):
+        x = on_device.setdefault(id(t), t.to(device))
+        n = x.shape[-1]
+        g = groups.setdefault(type_name, [])
+        if imatrix is None or imatrix.numel() == n:
+            g.append((i, x, None if imatrix is None else imatrix.reshape(n).to(device)))
+        elif x.dim() == 3 and imatrix.numel() == n * x.shape[0]:
+            w = imatrix.reshape(x.shape[0], n).to(device)
+            g.extend((i, x[e], w[e]) for e in range(x.shape[0]))
+        else:
+            raise ValueError(f"imatrix of {imatrix.numel()} values for a tensor of shape {tuple(x.shape)}")
+    parts: list[list[torch.Tensor]] = [[] for _ in items]
+    for type_name, g in groups.items():
+        raws = ggml.quantize_many([x for _, x, _ in g], type_name, [w for _, _, w in g])
+        for (i, _, _), raw in zip(g, raws):
+            parts[i].append(raw.reshape(-1, raw.shape[-1]))
+    return [(p[0] if len(p) == 1 else torch.cat(p)).cpu().numpy() for p in parts]
 
 
 #: one output file of :func:`write_gguf_many`: (path, KVs after ``general.architecture`` in
 #: order, GGUF tensor name → ggml type name[, GGUF tensor name → importance weights float32
 #: tensor for the tensors quantized with an imatrix])
 GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor]])
+
+
+#: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
+#: elements: a window is written once it holds this many (or the end is reached), so host
+#: memory holds about this much source data (a layer of a 7B model) beyond the largest tensor
+WINDOW_ELEMENTS = 1 << 27
+#: most round-trip threads per file when quantizing off the CPU (each holds a source tensor)
+VERIFY_WORKERS = 8
+
+
+def _verify_workers(device: torch.device) -> int:
+    """Threads of a :class:`RoundTripWatch`: one on the CPU (the codecs use the other cores),
+    else up to :data:`VERIFY_WORKERS` of the idle cores, since gguf-py's dequantization runs
+    on the CPU and would hold back a GPU's writing."""
+    return 1 if device.type == "cpu" else max(1, min(VERIFY_WORKERS, (os.cpu_count() or 2) - 1))
+
+
+def _window_elements(device: torch.device) -> int:
+    """Elements read ahead before a window is encoded: 0 on the CPU (one tensor at a time),
+    else :data:`WINDOW_ELEMENTS`."""
+    return 0 if device.type == "cpu" else WINDOW_ELEMENTS
 
 
 def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
@@ -129,9 +169,13 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     One gguf-py ``GGUFWriter`` per file writes the header, the KVs and the tensor infos
     (alignment 32, as llama.cpp). Then, tensor by tensor: ``load()`` once; the shape and
     NaN/Inf checks once; the tensor moved to ``device`` once; for each distinct ggml type the
-    files ask for (a norm is F32 in every policy) and importance weights, one :func:`encode`
-    (uint8 [rows, row_bytes]) written to every file of that type; then the next tensor. Peak memory is one source
-    tensor and one encoded copy, whatever the number of files. Each file's bytes equal a
+    files ask for (a norm is F32 in every policy) and importance weights, one encoding
+    (uint8 [rows, row_bytes]) written to every file of that type; then the next tensor. On
+    the CPU peak memory is one source tensor and one encoded copy, whatever the number of
+    files. Off the CPU, tensors are read ahead into a window of :data:`WINDOW_ELEMENTS`
+    elements (or one tensor, if larger) and the window is encoded with :func:`encode_many`
+    (one codec pass per type), then written in order: a GPU codec's time is its op count,
+    not its data. Each file's bytes equal a
     :func:`write_gguf` of it alone, i.e. what ``convert_hf_to_gguf.py`` + ``llama-quantize``
     write (llama.cpp as vendored in llama-cpp-python 0.3.36) when the plan is theirs.
 
@@ -177,34 +221,53 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                     f.flush()
                 size = GGUFWriter.ggml_pad(w.fout[0].tell(), w.data_alignment) + data_bytes
                 os.truncate(path, size)     # the reader maps the whole file from the start
-                watch = RoundTripWatch(Path(path), tensors, types, device, size)
+                watch = RoundTripWatch(Path(path), tensors, types, device, size, _verify_workers(device))
                 closing.callback(watch.stop)
                 watch.start()
                 watches.append(watch)
+        window: list[tuple[int, torch.Tensor]] = []     # tensors read, not yet written
+
+        def flush() -> None:
+            # quantize the window (one codec pass per type on an accelerator), then write its
+            # tensors in order to every file and hand each to the round trip
+            items, slots = [], {}
+            for index, t in window:
+                st = tensors[index]
+                for w, types, imatrix, _ in writers:
+                    qw = imatrix.get(st.name)
+                    key = (index, types[st.name], None if qw is None else id(qw))
+                    if key not in slots:
+                        slots[key] = len(items)
+                        items.append((t, types[st.name], qw))
+            raws = encode_many(items, device)
+            del items
+            for index, t in window:
+                st = tensors[index]
+                for w, types, imatrix, _ in writers:
+                    qw = imatrix.get(st.name)
+                    w.write_tensor_data(raws[slots[(index, types[st.name], None if qw is None else id(qw))]].reshape(-1))
+                if watches:
+                    for w, *_ in writers:
+                        for f in w.fout:
+                            f.flush()
+                    for watch in watches:
+                        watch.written(index, t)
+            raws.clear()
+            window.clear()
+
+        size, limit = 0, _window_elements(device)
         for index, st in enumerate(progress(tensors)):
             t = st.load()
             if tuple(t.shape) != tuple(st.shape):
                 raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
             check_finite(st.name, t)
-            x = t.to(device)
-            by_type: dict[tuple, tuple] = {}
-            for w, types, imatrix, _ in writers:
-                qw = imatrix.get(st.name)
-                key = (types[st.name], None if qw is None else id(qw))
-                by_type.setdefault(key, (types[st.name], qw, []))[2].append(w)
-            for type_name, qw, ws in by_type.values():
-                raw = encode(x, type_name, device, qw).reshape(-1)
-                for w in ws:
-                    w.write_tensor_data(raw)
-                del raw
-            del x
-            if watches:
-                for w, *_ in writers:
-                    for f in w.fout:
-                        f.flush()
-                for watch in watches:
-                    watch.written(index, t)
+            window.append((index, t))
+            size += t.numel()
             del t
+            if size >= limit:
+                flush()
+                size = 0
+        flush()
         for w, *_ in writers:
             w.close()
         return [watch.finish() for watch in watches] if verify else None
@@ -310,14 +373,19 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
         chunk = raw[r0:r0 + step]
         ref = np.ascontiguousarray(gguf_quants.dequantize(chunk, GGMLQuantizationType[tname]),
                                    dtype=np.float32).reshape(-1)
-        ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).cpu().reshape(-1)
-        neq += int((ref.view(np.int32) != ours.numpy().view(np.int32)).sum())
-        x = src[r0:r0 + step].to(torch.float32).reshape(-1)
+        # our dequantization and the comparisons run on ``device`` (one sync per chunk)
+        ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).reshape(-1)
+        ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy())  # F32: a view of the map
+        diff = (ref_t.to(device).view(torch.int32) != ours.view(torch.int32)).sum()
+        x = src[r0:r0 + step].to(device=device, dtype=torch.float32).reshape(-1)
         e = ours - x
-        se += float(torch.dot(e, e))
-        sig += float(torch.dot(x, x))
         lo, hi = torch.aminmax(e)
-        max_err = max(max_err, -float(lo), float(hi))
+        d, se_c, sig_c, lo, hi = torch.stack([diff.to(torch.float64), torch.dot(e, e).double(),
+                                              torch.dot(x, x).double(), lo.double(), hi.double()]).tolist()
+        neq += int(d)
+        se += se_c
+        sig += sig_c
+        max_err = max(max_err, -lo, hi)
     if neq:
         rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
     ratio = sig / se if se else math.inf
@@ -379,47 +447,81 @@ class RoundTripWatch:
     offset where it will be; ``tensors`` / ``types``: the plan. :meth:`written` hands over
     tensor ``index`` once its bytes are flushed to the file, with the source tensor just read
     (checked as :func:`verify_gguf` checks it: gguf-py's and our dequantization bit for bit,
-    and the error against that source); at most one waits, so the writer is held back when
-    the checks fall behind. :meth:`finish` waits for the last check, verifies the file's size
-    and returns the :class:`RoundTrip` (``seconds``: the thread's time checking).
-    The thread quantizes nothing: its dequantization runs on it alone
-    (:func:`quantpress.quantize.ggml.common.serial_codecs`), one torch thread."""
+    and the error against that source); at most ``workers`` wait, so the writer is held back
+    when the checks fall behind. :meth:`finish` waits for the last check, verifies the file's size
+    and returns the :class:`RoundTrip` (``seconds``: the wall time during which a check ran;
+    ``tensors`` in plan order). ``workers`` threads check tensors side by side (one on the
+    CPU; several when the quantization runs on an accelerator and the cores are idle). The threads quantize nothing: their dequantization runs on each alone
+    (:func:`quantpress.quantize.ggml.common.serial_codecs`), one torch thread each."""
 
     def __init__(self, path: Path, tensors: list[SourceTensor], types: dict[str, str],
-                 device: torch.device, size: int):
+                 device: torch.device, size: int, workers: int = 1):
         self.path, self.tensors, self.types, self.device, self.size = Path(path), tensors, types, device, size
+        self.workers = max(1, workers)
         self.rep = RoundTrip()
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=self.workers)
+        self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._checked: set[str] = set()
+        self._parsed = threading.Event()
+        self._lock = threading.Lock()
+        self._busy, self._busy_since = 0, 0.0
+        self._reader = self._by_name = None
 
     def start(self) -> None:
-        """Start the thread: parse the file, then check tensors as they are handed over."""
-        self._thread = threading.Thread(target=self._run, name="quantpress-roundtrip", daemon=True)
-        self._thread.start()
+        """Start the threads: the first parses the file, then all check tensors as they are
+        handed over."""
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"quantpress-roundtrip-{i}",
+                                          daemon=True) for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
 
     def written(self, index: int, source: torch.Tensor) -> None:
         """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from."""
         self._queue.put((index, source))
 
-    def _run(self) -> None:
-        with single_threaded_ops(), serial_codecs(), torch.no_grad():
+    def _run(self, worker: int) -> None:
+        # on a GPU each thread queues its work on a stream of its own, so that its syncs do not
+        # wait for the quantization kernels queued by the writer
+        own = (torch.cuda.stream(torch.cuda.Stream(self.device)) if self.device.type == "cuda"
+               else contextlib.nullcontext())
+        with own, single_threaded_ops(), serial_codecs(), torch.no_grad():
+            if worker == 0:
+                self._parse()
+            self._parsed.wait()
             self._check_all()
 
-    def _check_all(self) -> None:
-        t0 = time.perf_counter()
+    def _timed(self, begin: bool) -> None:
+        # seconds during which at least one thread was checking (wall time, not thread time)
+        with self._lock:
+            now = time.perf_counter()
+            if begin:
+                if self._busy == 0:
+                    self._busy_since = now
+                self._busy += 1
+            else:
+                self._busy -= 1
+                if self._busy == 0:
+                    self.rep.seconds += now - self._busy_since
+
+    def _parse(self) -> None:
+        self._timed(True)
         try:
-            reader = GGUFFileReader(str(self.path))
-            by_name = _tensor_index(reader, self.tensors, self.rep)
+            self._reader = GGUFFileReader(str(self.path))
+            self._by_name = _tensor_index(self._reader, self.tensors, self.rep)
         except Exception as e:  # gguf-py cannot parse what was written: the round trip fails
             self.rep.mismatches.append(f"gguf-py cannot read the file ({e})")
-            reader = None
-        self.rep.seconds += time.perf_counter() - t0
+            self._reader = None
+        finally:
+            self._timed(False)
+            self._parsed.set()
+
+    def _check_all(self) -> None:
+        reader, by_name = self._reader, self._by_name
         while (item := self._queue.get()) is not None:
             if reader is None or self._error is not None:
                 continue                        # keep taking what the writer hands over
-            t0 = time.perf_counter()
+            self._timed(True)
             index, source = item
             item = None
             try:
@@ -435,13 +537,16 @@ class RoundTripWatch:
                 self._error = e
             finally:
                 del source
-                self.rep.seconds += time.perf_counter() - t0
+                self._timed(False)
 
     def stop(self) -> None:
-        """End the thread (after the last check it was handed); idempotent."""
-        if self._thread is not None and self._thread.is_alive():
+        """End the threads (after the last checks they were handed); idempotent."""
+        alive = [t for t in self._threads if t.is_alive()]
+        for _ in alive:
             self._queue.put(None)
-            self._thread.join()
+        for t in alive:
+            t.join()
+        self._threads = []
 
     def finish(self) -> RoundTrip:
         """Wait for the checks, then check the file's size and that every planned tensor was
@@ -455,4 +560,6 @@ class RoundTripWatch:
         missed = [st.name for st in self.tensors if st.name not in self._checked]
         if missed and not self.rep.mismatches:
             self.rep.mismatches.append(f"{missed[0]}: not checked ({len(missed)} tensors)")
+        order = {st.name: i for i, st in enumerate(self.tensors)}   # checks end out of order
+        self.rep.tensors.sort(key=lambda r: order.get(r.name, len(order)))
         return self.rep

@@ -10,13 +10,15 @@ Public API
 ``quantize(x, name, imatrix=None)``: float tensor [..., n] -> uint8 [..., n // block_size * type_size],
 with importance weights ``imatrix`` float32 [n] (one per column, as ``ggml_quantize_chunk``'s
 ``imatrix`` argument) for the types that use them
+``quantize_many(xs, name, imatrices=None)``: the same for several tensors in one pass of the
+codec (their blocks side by side), for accelerators, where a codec's cost is its op count
 ``dequantize(raw, name)``: uint8 [..., n_bytes] -> float32 [..., n]
 ``get(name)``: the :class:`GGMLType` record.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from gguf import GGMLQuantizationType
@@ -27,8 +29,13 @@ from .common import fdiv
 # of the search-based K-quants (a handful of float32 copies of the chunk) independently of
 # the tensor size. On the CPU the codecs cut their input into cache-sized slices themselves
 # (common.map_block_slices), so a tensor is one chunk there (its slices then share out evenly
-# over the threads). Whole rows only, so results do not depend on the chunking.
+# over the threads). Every block is quantized on its own, so results do not depend on the
+# chunking. On a GPU a K-quant's time is its op count (thousands of small kernels, ~15 ms
+# per call on an H200 whatever the size up to 4M elements: scripts/gpu_checks.py), so the
+# chunks are large and quantize_many() fills them with the blocks of several tensors.
 CHUNK_ELEMENTS = 1 << 22
+#: :data:`CHUNK_ELEMENTS` for quantize()/quantize_many() on an accelerator
+ACCEL_CHUNK_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,14 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def _blocks_per_chunk(nb: int, block_size: int, device: torch.device) -> int:
+    """Blocks per codec call of quantize_many(): all ``nb`` on the CPU, else
+    :data:`ACCEL_CHUNK_ELEMENTS` worth."""
+    if device.type == "cpu":
+        return max(1, nb)
+    return max(1, ACCEL_CHUNK_ELEMENTS // block_size)
+
+
 def _rows_per_chunk(n: int, rows: int, device: torch.device) -> int:
     if device.type == "cpu":
         return max(1, rows)
@@ -125,29 +140,74 @@ def quantize(x: torch.Tensor, name: str, imatrix: torch.Tensor | None = None) ->
     llama.cpp ignores it). Raises ValueError when n is not a multiple of the block size or
     ``imatrix`` is not [n].
     """
+    return quantize_many([x], name, [imatrix])[0]
+
+
+def quantize_many(xs: Sequence[torch.Tensor], name: str,
+                  imatrices: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """:func:`quantize` of several tensors at once: ``[quantize(x, name, w) for x, w in
+    zip(xs, imatrices)]``, byte for byte, with the blocks of all tensors passed through the
+    codec together, in chunks of :data:`ACCEL_CHUNK_ELEMENTS` elements off the CPU (one call
+    for the whole set on the CPU, which slices for its threads itself). On a GPU the codecs
+    are bound by their op count, not by the data (a K-quant issues thousands of small
+    kernels), so quantizing a layer's tensors in one pass costs about what one tensor did.
+
+    ``xs``: float tensors [..., n_i] (any float dtype, widths may differ) on one device;
+    ``imatrices``: None, or one float32 [n_i] or None per tensor (as :func:`quantize`; a
+    type that ignores importance weights ignores them). Returns uint8 tensors
+    [..., n_i // block_size * type_size] on that device, in the order of ``xs``. Raises
+    ValueError when a width is not a multiple of the block size, an imatrix is not [n_i],
+    the lists differ in length, or the tensors are on different devices."""
     t = get(name)
-    n = x.shape[-1]
-    rb = t.row_bytes(n)
-    rows = x.reshape(-1, n)
-    out = torch.empty((rows.shape[0], rb), dtype=torch.uint8, device=x.device)
-    weighted = imatrix is not None and t.quantize_blocks_weighted is not None
-    if weighted:
-        if imatrix.shape != (n,):
-            raise ValueError(f"{name}: imatrix has shape {tuple(imatrix.shape)}, expected ({n},)")
-        qw = imatrix.to(device=x.device, dtype=torch.float32).reshape(1, n)
-    step = _rows_per_chunk(n, rows.shape[0], x.device)
-    bpr = n // t.block_size
-    for r0 in range(0, rows.shape[0], step):
-        chunk = rows[r0:r0 + step].to(torch.float32)
-        if weighted:
-            r = chunk.shape[0]
-            w = qw.expand(r, n).reshape(-1, t.block_size)
-            s2 = row_sigma2(chunk).repeat_interleave(bpr, 0) if t.weighted_uses_row_sigma2 else None
-            q = t.quantize_blocks_weighted(chunk.reshape(-1, t.block_size), w, s2)
-        else:
-            q = t.quantize_blocks(chunk.reshape(-1, t.block_size))
-        out[r0:r0 + step] = q.reshape(-1, rb)
-    return out.reshape(*x.shape[:-1], rb)
+    if imatrices is None:
+        imatrices = [None] * len(xs)
+    if len(imatrices) != len(xs):
+        raise ValueError(f"{name}: {len(xs)} tensors but {len(imatrices)} imatrices")
+    if not xs:
+        return []
+    device = xs[0].device
+    if any(x.device != device for x in xs):
+        raise ValueError(f"{name}: quantize_many needs its tensors on one device")
+    bs = t.block_size
+    weighted = t.quantize_blocks_weighted is not None
+    outs: list[torch.Tensor | None] = [None] * len(xs)
+    # the weighted and the plain path are separate codecs: one pass of each
+    for use_w in (False, True):
+        idx = [i for i, w in enumerate(imatrices) if (weighted and w is not None) == use_w]
+        if not idx:
+            continue
+        blocks, ws, s2s = [], [], []
+        for i in idx:
+            n = xs[i].shape[-1]
+            t.row_bytes(n)                                  # raises for a bad width
+            rows = xs[i].reshape(-1, n)
+            blocks.append(rows.reshape(-1, bs))
+            if use_w:
+                w = imatrices[i]
+                if w.shape != (n,):
+                    raise ValueError(f"{name}: imatrix has shape {tuple(w.shape)}, expected ({n},)")
+                qw = w.to(device=device, dtype=torch.float32).reshape(1, n)
+                ws.append(qw.expand(rows.shape[0], n).reshape(-1, bs))
+                if t.weighted_uses_row_sigma2:
+                    s2s.append(row_sigma2(rows.to(torch.float32)).repeat_interleave(n // bs, 0))
+        nb = [b.shape[0] for b in blocks]
+        x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        w = None if not use_w else (ws[0] if len(ws) == 1 else torch.cat(ws))
+        s2 = None if not s2s else (s2s[0] if len(s2s) == 1 else torch.cat(s2s))
+        del blocks, ws, s2s
+        q = torch.empty((x.shape[0], t.type_size), dtype=torch.uint8, device=device)
+        step = _blocks_per_chunk(x.shape[0], bs, device)
+        for b0 in range(0, x.shape[0], step):
+            chunk = x[b0:b0 + step].to(torch.float32)
+            if use_w:
+                q[b0:b0 + step] = t.quantize_blocks_weighted(
+                    chunk, w[b0:b0 + step], None if s2 is None else s2[b0:b0 + step])
+            else:
+                q[b0:b0 + step] = t.quantize_blocks(chunk)
+            del chunk
+        for i, part in zip(idx, torch.split(q, nb)):
+            outs[i] = part.reshape(*xs[i].shape[:-1], t.row_bytes(xs[i].shape[-1]))
+    return outs
 
 
 def dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:

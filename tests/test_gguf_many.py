@@ -18,6 +18,7 @@ import hashlib
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,25 @@ def test_every_ggml_type_clears_the_snr_floor_with_margin():
             assert got >= gguf_file.MIN_SNR_DB + 4, f"{name}: {got:.1f} dB"
     x = tensors[0]
     assert snr(x, torch.randn(x.shape, generator=g)) < gguf_file.MIN_SNR_DB
+
+
+def test_encode_many_per_expert_importance_weights_equal_llamacpp():
+    """encode_many with a 3-D tensor [n_mat, rows, n] and an imatrix [n_mat * n] (one slice per
+    expert matrix, as llama_tensor_quantize_impl's imatrix_for_row), beside a 2-D tensor of
+    the same type and one of another: each expert's rows are llama.cpp's with its own slice."""
+    import ggml_ref
+
+    g = torch.Generator().manual_seed(11)
+    x3 = torch.randn(3, 4, 512, generator=g)
+    w3 = torch.rand(3 * 512, generator=g) * torch.tensor([1.0, 100.0, 1e-3]).repeat_interleave(512)
+    x2 = torch.randn(6, 256, generator=g)
+    w2 = torch.rand(256, generator=g)
+    raws = gguf_file.encode_many([(x3, "Q4_K", w3), (x2, "Q4_K", w2), (x2, "Q5_0", None)], torch.device("cpu"))
+    want3 = np.concatenate([ggml_ref.ref_quantize(x3[e].numpy(), "Q4_K", imatrix=w3.view(3, 512)[e].numpy())
+                            for e in range(3)])
+    assert np.array_equal(raws[0], want3)
+    assert np.array_equal(raws[1], ggml_ref.ref_quantize(x2.numpy(), "Q4_K", imatrix=w2.numpy()))
+    assert np.array_equal(raws[2], ggml_ref.ref_quantize(x2.numpy(), "Q5_0"))
+    assert np.array_equal(raws[0], gguf_file.encode(x3, "Q4_K", torch.device("cpu"), w3))
+    with pytest.raises(ValueError, match="imatrix of 100 values"):
+        gguf_file.encode_many([(x3, "Q4_K", torch.ones(100))], torch.device("cpu"))

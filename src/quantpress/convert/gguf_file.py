@@ -483,8 +483,12 @@ class RoundTripWatch:
     def _run(self, worker: int) -> None:
         # on a GPU each thread queues its work on a stream of its own, so that its syncs do not
         # wait for the quantization kernels queued by the writer
-        own = (torch.cuda.stream(torch.cuda.Stream(self.device)) if self.device.type == "cuda"
-               else contextlib.nullcontext())
+        own = contextlib.nullcontext()
+        if self.device.type == "cuda":
+            try:
+                own = torch.cuda.stream(torch.cuda.Stream(self.device))
+            except RuntimeError:            # no stream of its own: the default stream serves
+                pass
         with own, single_threaded_ops(), serial_codecs(), torch.no_grad():
             if worker == 0:
                 self._parse()

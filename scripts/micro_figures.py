@@ -5,7 +5,9 @@ constant or choice it supports (CPU, this machine):
   Gaussian, Student-t (2 degrees of freedom) and outlier-column tensors, against the SNR of the
   wrong data the floor is there to catch (another tensor's data, zeros);
 - the codecs' CPU slice size (``quantize.ggml.common.CPU_SLICE_ELEMENTS``): Q4_K of 6.3 M
-  weights on two threads with slices of 2^18, 2^19 and 2^21 elements;
+  weights on one thread with slices of 2^15 to 2^21 elements (what a slice costs beyond its
+  work: Python's dispatch of its ops, under the GIL) and on two threads with slices of 2^18,
+  2^19 and 2^21 elements;
 - the codecs' parallel threshold (``CPU_PARALLEL_ELEMENTS``): Q5_0 of a 576 x 576 tensor on
   the calling thread alone and shared over two threads;
 - GPTQ's inverse-Hessian factor (``quantize.gptq_linear.hessian_inverse_factor``,
@@ -85,10 +87,21 @@ def codec_threads() -> None:
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common
 
-    torch.set_num_threads(2)
     x = torch.randn(4096, 1536)
     saved = common.CPU_SLICE_ELEMENTS
     try:
+        # one thread: the cost of a slice beyond its work (its ~2,900 op dispatches, which
+        # hold the GIL), from the time's growth as the slices shrink
+        torch.set_num_threads(1)
+        t = {}
+        for bits in (15, 17, 19, 21):
+            common.CPU_SLICE_ELEMENTS = 1 << bits
+            t[bits] = best_ms(lambda: ggml.quantize(x, 'Q4_K'), 3)
+            print(f"Q4_K of 4096 x 1536 on 1 thread, slices of 2^{bits} ({x.numel() >> bits}): {t[bits]:.0f} ms")
+        per = (t[15] - t[17]) / ((x.numel() >> 15) - (x.numel() >> 17))
+        print(f"  {per:.2f} ms per slice beyond its work: {per * (x.numel() >> 19) / t[19]:.0%} of the time "
+              f"at 2^19, done under the GIL")
+        torch.set_num_threads(2)
         for bits in (18, 19, 21):
             common.CPU_SLICE_ELEMENTS = 1 << bits
             print(f"Q4_K of 4096 x 1536 on 2 threads, slices of 2^{bits}: "

@@ -128,6 +128,22 @@ def row_sigma2(rows: torch.Tensor) -> torch.Tensor:
     return fdiv(acc, float(rows.shape[1])).unsqueeze(1)
 
 
+def _row_sigma2_by_width(xs: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
+    """:func:`row_sigma2` of every row of each tensor [..., n_i], repeated for each of the
+    row's blocks (float32 [rows_i · n_i / block_size, 1] per tensor): one sequential pass per
+    width over the rows of all tensors of that width (n_i ops each, not n_i per tensor)."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_width: dict[int, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_width.setdefault(x.shape[-1], []).append(i)
+    for n, group in by_width.items():
+        rows = [xs[i].reshape(-1, n) for i in group]
+        s2 = row_sigma2(torch.cat(rows).to(torch.float32) if len(rows) > 1 else rows[0].to(torch.float32))
+        for i, part in zip(group, torch.split(s2, [r.shape[0] for r in rows])):
+            out[i] = part.repeat_interleave(n // block_size, 0)
+    return out
+
+
 def quantize(x: torch.Tensor, name: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize ``x`` (any float dtype, [..., n]) row-wise to ggml type ``name``.
 
@@ -188,8 +204,8 @@ def quantize_many(xs: Sequence[torch.Tensor], name: str,
                     raise ValueError(f"{name}: imatrix has shape {tuple(w.shape)}, expected ({n},)")
                 qw = w.to(device=device, dtype=torch.float32).reshape(1, n)
                 ws.append(qw.expand(rows.shape[0], n).reshape(-1, bs))
-                if t.weighted_uses_row_sigma2:
-                    s2s.append(row_sigma2(rows.to(torch.float32)).repeat_interleave(n // bs, 0))
+        if use_w and t.weighted_uses_row_sigma2:
+            s2s = _row_sigma2_by_width([xs[i] for i in idx], bs)
         nb = [b.shape[0] for b in blocks]
         x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         w = None if not use_w else (ws[0] if len(ws) == 1 else torch.cat(ws))

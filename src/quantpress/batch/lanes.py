@@ -2,10 +2,9 @@
 policies and scores its outputs while this process runs the calibrated passes.
 
 Why a process and not a thread: the passes are many small torch ops issued from Python, so
-two stages in threads of one process wait on each other's interpreter lock (measured on
-SmolLM2: the shared calibration pass took 178 s instead of 157 s with the GGUF policies and
-their scoring in a thread beside it, and did not slow at all with the same scoring in another
-process). The child runs at the lowest CPU priority (nice 19, :data:`SIDE_NICE`) on one torch
+two stages in threads of one process wait on each other's interpreter lock, each op's
+dispatch holding it (``scripts/micro_figures.py`` prints what a codec slice's dispatches cost
+beyond its work); in another process they do not. The child runs at the lowest CPU priority (nice 19, :data:`SIDE_NICE`) on one torch
 intra-op thread, so it takes the cycles the pass leaves idle, and its bytes are those of the
 same stage run anywhere else; it dies with its parent (Linux ``PR_SET_PDEATHSIG``), so a
 killed batch leaves no writer behind. It keeps one

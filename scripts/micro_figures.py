@@ -6,7 +6,8 @@ constant or choice it supports (CPU, this machine):
   wrong data the floor is there to catch (another tensor's data, zeros);
 - the codecs' CPU slice size (``quantize.ggml.common.CPU_SLICE_ELEMENTS``): Q4_K of 6.3 M
   weights on one thread with slices of 2^15 to 2^21 elements (what a slice costs beyond its
-  work: Python's dispatch of its ops, under the GIL) and on two threads with slices of 2^18,
+  work: Python's dispatch of its ops, under the GIL; and how many torch ops a slice issues)
+  and on two threads with slices of 2^18,
   2^19 and 2^21 elements;
 - the codecs' parallel threshold (``CPU_PARALLEL_ELEMENTS``): Q5_0 of a 576 x 576 tensor on
   the calling thread alone and shared over two threads;
@@ -83,6 +84,21 @@ def snr_floor() -> None:
           f"zeros {snr_db(x, torch.zeros_like(x)):.1f} dB")
 
 
+def torch_ops(fn) -> int:
+    """The number of aten ops ``fn()`` dispatches (a TorchDispatchMode counting them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
 def codec_threads() -> None:
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common
@@ -90,8 +106,8 @@ def codec_threads() -> None:
     x = torch.randn(4096, 1536)
     saved = common.CPU_SLICE_ELEMENTS
     try:
-        # one thread: the cost of a slice beyond its work (its ~2,900 op dispatches, which
-        # hold the GIL), from the time's growth as the slices shrink
+        # one thread: the cost of a slice beyond its work (its op dispatches, which hold the
+        # GIL), from the time's growth as the slices shrink
         torch.set_num_threads(1)
         t = {}
         for bits in (15, 17, 19, 21):
@@ -100,7 +116,8 @@ def codec_threads() -> None:
             print(f"Q4_K of 4096 x 1536 on 1 thread, slices of 2^{bits} ({x.numel() >> bits}): {t[bits]:.0f} ms")
         per = (t[15] - t[17]) / ((x.numel() >> 15) - (x.numel() >> 17))
         print(f"  {per:.2f} ms per slice beyond its work: {per * (x.numel() >> 19) / t[19]:.0%} of the time "
-              f"at 2^19, done under the GIL")
+              f"at 2^19, done under the GIL; one slice issues {torch_ops(lambda: ggml.quantize(x[:128], 'Q4_K'))} "
+              f"torch ops (kernels, on a GPU)")
         torch.set_num_threads(2)
         for bits in (18, 19, 21):
             common.CPU_SLICE_ELEMENTS = 1 << bits

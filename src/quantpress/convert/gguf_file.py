@@ -134,7 +134,8 @@ GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor
 
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
 #: elements: a window is written once it holds this many (or the end is reached), so host
-#: memory holds about this much source data (a layer of a 7B model) beyond the largest tensor
+#: memory holds about this much source data beyond the largest tensor (2^27 = 134M: two
+#: thirds of a decoder layer of a 7B llama, whose layers hold 202M weights)
 WINDOW_ELEMENTS = 1 << 27
 #: most round-trip threads per file when quantizing off the CPU (each holds a source tensor)
 VERIFY_WORKERS = 8
@@ -230,22 +231,21 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         def flush() -> None:
             # quantize the window (one codec pass per type on an accelerator), then write its
             # tensors in order to every file and hand each to the round trip
-            items, slots = [], {}
+            items, slots, slot_of = [], {}, {}     # slot_of[index, file]: that file's encoding
             for index, t in window:
-                st = tensors[index]
-                for w, types, imatrix, _ in writers:
-                    qw = imatrix.get(st.name)
-                    key = (index, types[st.name], None if qw is None else id(qw))
+                name = tensors[index].name
+                for f, (_, types, imatrix, _) in enumerate(writers):
+                    qw = imatrix.get(name)
+                    key = (index, types[name], None if qw is None else id(qw))
                     if key not in slots:
                         slots[key] = len(items)
-                        items.append((t, types[st.name], qw))
+                        items.append((t, types[name], qw))
+                    slot_of[index, f] = slots[key]
             raws = encode_many(items, device)
             del items
             for index, t in window:
-                st = tensors[index]
-                for w, types, imatrix, _ in writers:
-                    qw = imatrix.get(st.name)
-                    w.write_tensor_data(raws[slots[(index, types[st.name], None if qw is None else id(qw))]].reshape(-1))
+                for f, (w, *_) in enumerate(writers):
+                    w.write_tensor_data(raws[slot_of[index, f]].reshape(-1))
                 if watches:
                     for w, *_ in writers:
                         for f in w.fout:

@@ -312,7 +312,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         ``runs[0]`` and added to the other runs (the targets share it). Each file's round
         trip runs beside the writing (``write_gguf_many(verify=True)``, checking each tensor
         against the source tensor just read); :meth:`verify` then reports it, and each run
-        gets the checking thread's seconds as stage :attr:`verify_stage`, the stage
+        gets the round trip's checking seconds (wall time) as stage :attr:`verify_stage`, the stage
         :meth:`verify`'s report is then timed in too.
 
         Raises ValueError when the lists differ in length or are empty, a target is not

@@ -3,7 +3,8 @@
 machine: llama.cpp's convert_hf_to_gguf.py --outtype f16 followed by llama-quantize
 (llama_model_quantize from llama-cpp-python 0.3.36, the function llama-quantize calls,
 with nthread = all cores). Each step runs in its own process; wall time and peak RSS
-(ru_maxrss of that process) are measured with os.wait4. Prints both, their ratios, and
+(ru_maxrss of that process, or of a child it waited for if larger) are measured with os.wait4;
+our round trip's checker processes report their own peak RSS, printed beside ours. Prints both, their ratios, and
 whether the two outputs carry identical tensors.
 
   python scripts/bench_gguf.py                       # SmolLM2-135M
@@ -124,7 +125,8 @@ def main() -> int:
         report = d / "report.json"
         mine = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
                         "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
-        stages = json.loads(report.read_text())["stages"]
+        rep = json.loads(report.read_text())
+        stages, checker_rss = rep["stages"], rep["details"].get("roundtrip_checker_rss_mib", 0)
         mine_q = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
                           "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages_q = json.loads(report.read_text())["stages"]
@@ -139,7 +141,7 @@ def main() -> int:
         "llamacpp_peak_rss_mib": max(conv[1], quant[1]), "llamacpp_convert_rss_mib": conv[1],
         "llamacpp_quantize_rss_mib": quant[1],
         "ours_total_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_stages_s": stages,
-        "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
+        "ours_checker_peak_rss_mib": checker_rss, "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
         "ratio_total_ours_over_llamacpp": mine[0] / ref_total,
         "ratio_requantize_ours_over_llamacpp": mine_q[0] / quant[0],
         "identical_tensors": identical, "output_bytes": size,
@@ -147,7 +149,8 @@ def main() -> int:
     print(f"model {model} ({args.policy}, ours on {args.device}, llama.cpp nthread={nthread})")
     print(f"  llama.cpp  convert f16 {conv[0]:7.1f} s  {conv[1]:7.0f} MiB | quantize {quant[0]:7.1f} s "
           f"{quant[1]:7.0f} MiB | total {ref_total:7.1f} s")
-    print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB peak RSS; stages "
+    print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB peak RSS (+ round-trip checker "
+          f"{checker_rss:.0f} MiB); stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     print(f"  quantpress quantize gguf (llama.cpp's F16 file) {mine_q[0]:7.1f} s  {mine_q[1]:7.0f} MiB; stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages_q.items()))
@@ -179,7 +182,8 @@ def quantize_only(args, model: Path) -> int:
         quant_step = float(m.group(1)) / 1000 if m else float("nan")
         mine = measure([PY, "-m", "quantpress", "quantize", "gguf", str(f16), "--policy", args.policy,
                         "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
-        stages = json.loads(report.read_text())["stages"]
+        rep = json.loads(report.read_text())
+        stages, checker_rss = rep["stages"], rep["details"].get("roundtrip_checker_rss_mib", 0)
         from refs import tensors_of
         identical = tensors_of(ours_q) == tensors_of(ref_q)
         bare = None
@@ -194,13 +198,15 @@ def quantize_only(args, model: Path) -> int:
         "nthread_llamacpp": nthread, "f16_convert_s": conv and conv[0],
         "llamacpp_quantize_step_s": quant_step, "llamacpp_wall_s": quant[0], "llamacpp_peak_rss_mib": quant[1],
         "ours_quantize_step_s": step, "ours_wall_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_stages_s": stages,
+        "ours_checker_peak_rss_mib": checker_rss,
         "speedup_step_llamacpp_over_ours": quant_step / step, "speedup_wall_llamacpp_over_ours": quant[0] / mine[0],
         "identical_tensors": identical, "ours_quantize_write_without_round_trip_s": bare,
     }
     print(f"model {model} ({args.policy}{', imatrix' if im else ''}; ours on {args.device}, "
           f"llama-quantize nthread={nthread})")
     print(f"  llama-quantize: quantize time {quant_step:7.2f} s, process {quant[0]:7.2f} s, {quant[1]:6.0f} MiB")
-    print(f"  quantize gguf:  quantize+write {step:7.2f} s, process {mine[0]:7.2f} s, {mine[1]:6.0f} MiB; stages "
+    print(f"  quantize gguf:  quantize+write {step:7.2f} s, process {mine[0]:7.2f} s, {mine[1]:6.0f} MiB "
+          f"(+ round-trip checkers {checker_rss:.0f} MiB each); stages "
           + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()))
     print(f"  llama-quantize / ours: quantization step {fig['speedup_step_llamacpp_over_ours']:.2f}x, "
           f"process {fig['speedup_wall_llamacpp_over_ours']:.2f}x; identical tensors: {identical}")

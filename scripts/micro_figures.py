@@ -1,7 +1,7 @@
 """The small measurements that code comments and the README cite, each printed beside the
 constant or choice it supports (CPU, this machine):
 
-- the GGUF round trip's SNR floor (``convert.gguf_file.MIN_SNR_DB``): SNR of every ggml type on
+- the GGUF round trip's SNR floor (``convert.gguf_roundtrip.MIN_SNR_DB``): SNR of every ggml type on
   Gaussian, Student-t (2 degrees of freedom) and outlier-column tensors, against the SNR of the
   wrong data the floor is there to catch (another tensor's data, zeros);
 - the codecs' CPU slice size (``quantize.ggml.common.CPU_SLICE_ELEMENTS``): Q4_K of 6.3 M
@@ -14,7 +14,7 @@ constant or choice it supports (CPU, this machine):
 - GPTQ's inverse-Hessian factor (``quantize.gptq_linear.hessian_inverse_factor``,
   ``quantize.gptq.hessian_inverse_factor``): ``cholesky_inverse`` against solving against the
   identity, one thread;
-- gguf-py's reader over a plain ndarray view (``convert.gguf_file.GGUFFileReader``) against
+- gguf-py's reader over a plain ndarray view (``convert.gguf_roundtrip.GGUFFileReader``) against
   gguf-py's own, parsing a SmolLM2 GGUF (its 49,152-token vocabulary);
 - the AWQ scale search's slices (``calibration.awq.SEARCH_SLICE_TOKENS``): float32 matmul
   throughput of SmolLM2's shapes by tokens per slice, and whether SmolLM2's attention and MLP
@@ -60,7 +60,7 @@ def snr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def snr_floor() -> None:
-    from quantpress.convert.gguf_file import MIN_SNR_DB
+    from quantpress.convert.gguf_roundtrip import MIN_SNR_DB
     from quantpress.quantize import ggml
 
     g = torch.Generator().manual_seed(0)
@@ -158,7 +158,7 @@ def hessian_factor() -> None:
 def reader_parse(gguf: Path | None) -> None:
     from gguf import GGUFReader
 
-    from quantpress.convert.gguf_file import GGUFFileReader
+    from quantpress.convert.gguf_roundtrip import GGUFFileReader
 
     with tempfile.TemporaryDirectory() as d:
         if gguf is None:

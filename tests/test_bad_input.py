@@ -159,7 +159,7 @@ def test_output_dir_missing(tmp_path, capsys, model):
 
 
 def test_roundtrip_mismatch_fails_command_and_leaves_nothing(tmp_path, capsys, model, monkeypatch):
-    from quantpress.convert import gguf_file
+    from quantpress.convert import gguf_file, gguf_roundtrip
 
     real = gguf_file.ggml.dequantize
 
@@ -171,6 +171,7 @@ def test_roundtrip_mismatch_fails_command_and_leaves_nothing(tmp_path, capsys, m
         return out
 
     monkeypatch.setattr(gguf_file.ggml, "dequantize", broken)
+    monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", False)   # the broken codec is this process's
     out = tmp_path / "o.gguf"
     code = convert_main(["hf-to-gguf", str(model), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
     err = capsys.readouterr().err

@@ -101,12 +101,12 @@ def test_imatrix_quantize_equals_llama_quantize(inputs, tmp_path, model, policy)
 def test_windows_of_tensors_equal_llama_quantize(inputs, tmp_path, monkeypatch, model, policy, flags):
     """The accelerator path of write_gguf_many on the CPU: tensors read ahead into windows of
     ~400k elements (several tensors, of several types, weighted and not) and each window
-    encoded in one pass per type, the round trip in three threads, still write
+    encoded in one pass per type, the round trip in three checker processes, still write
     llama-quantize's bytes."""
-    from quantpress.convert import gguf_file
+    from quantpress.convert import gguf_file, gguf_roundtrip
 
     monkeypatch.setattr(gguf_file, "_window_elements", lambda device: 400_000)
-    monkeypatch.setattr(gguf_file, "_verify_workers", lambda device: 3)
+    monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
     seen = []
     real = gguf_file.encode_many
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -23,8 +25,8 @@ import pytest
 import torch
 
 import make
-from quantpress.convert import gguf_file
-from quantpress.convert.gguf_file import SourceTensor
+from quantpress.convert import gguf_file, gguf_roundtrip
+from quantpress.convert.gguf_roundtrip import SourceTensor
 from quantpress.errors import InputError
 from quantpress.targets import GGUFOptions, Run, produce
 from quantpress.targets.gguf import GGUFTarget
@@ -184,7 +186,7 @@ def test_round_trip_beside_writing_equals_one_after_it(prepared, tmp_path):
     GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * 2)
     for t, f in zip(targets, tmps):
         with single_threaded_ops():
-            after = gguf_file.verify_gguf(f, t.plan.tensors, t.plan.types, torch.device("cpu"))
+            after = gguf_roundtrip.verify_gguf(f, t.plan.tensors, t.plan.types, torch.device("cpu"))
         assert t.roundtrip.ok and after.ok
         assert t.roundtrip.tensors == after.tensors
 
@@ -231,15 +233,17 @@ def test_write_gguf_many_needs_a_file():
         gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, workers):
+@pytest.mark.parametrize("workers,processes", [(1, True), (3, True), (1, False), (3, False)])
+def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, workers,
+                                                   processes):
     """Every later tensor of a shape written with the data of the first tensor of that shape
     and type: sizes and both dequantizers agree, only the error against the source tells: exit
-    3, the tensors named, nothing left; also with the round trip in three threads (as off
-    the CPU)."""
+    3, the tensors named, nothing left; with the round trip in one or three checker
+    processes (three: as off the CPU), and in threads (where no process can be started)."""
     from quantpress.cli.convert_main import main as convert_main
 
-    monkeypatch.setattr(gguf_file, "_verify_workers", lambda device: workers)
+    monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: workers)
+    monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
     real = gguf_file.encode_many
     first: dict = {}
 
@@ -251,6 +255,52 @@ def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, mon
     err = capsys.readouterr().err
     assert code == 3 and not list(tmp_path.iterdir()), err
     assert "blk.1." in err and "dB SNR against the source tensor" in err, err
+
+
+def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path, monkeypatch):
+    """Four files written together, their round trips in checker processes (by default, the
+    checkers' peak RSS reported) and then in threads: the same per-tensor reports, value for
+    value (the same float32 checks on the CPU), and the same bytes."""
+    reports, shas = {}, {}
+    for processes in (True, False):
+        monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
+        targets = _fresh(prepared)
+        tmps = [tmp_path / f"{p}-{processes}.gguf" for p in POLICIES]
+        GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
+        for t in targets:
+            assert t.roundtrip.ok, t.roundtrip.mismatches
+            assert (t.roundtrip.checker_rss_mib > 100) == processes, t.roundtrip.checker_rss_mib
+        reports[processes] = [t.roundtrip.tensors for t in targets]
+        shas[processes] = [_sha(f) for f in tmps]
+    assert reports[True] == reports[False] and shas[True] == shas[False]
+    assert sum(len(r) for r in reports[True]) == sum(len(t.plan.tensors) for t in _fresh(prepared))
+
+
+def test_a_checker_process_that_dies_fails_the_command(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """The checker process killed while the file is written: exit 1, the checker named,
+    nothing left; the next command starts a new checker and succeeds."""
+    from quantpress.cli.convert_main import main as convert_main
+
+    real = gguf_file.encode_many
+    calls = []
+
+    def killing(items, device):
+        calls.append(len(items))
+        if len(calls) == 5:
+            pids = gguf_roundtrip.checker_processes(1).pids()
+            assert pids
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+        return real(items, device)
+    monkeypatch.setattr(gguf_file, "encode_many", killing)
+    out = tmp_path / "o.gguf"
+    code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "checker process" in err and "died" in err, err
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(gguf_file, "encode_many", real)
+    code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
+    assert code == 0 and out.is_file(), capsys.readouterr().err
 
 
 def test_every_ggml_type_clears_the_snr_floor_with_margin():
@@ -273,9 +323,9 @@ def test_every_ggml_type_clears_the_snr_floor_with_margin():
                  "Q6_K", "Q8_0"):
         for x in tensors:
             got = snr(x, ggml.dequantize(ggml.quantize(x, name), name).reshape(x.shape))
-            assert got >= gguf_file.MIN_SNR_DB + 4, f"{name}: {got:.1f} dB"
+            assert got >= gguf_roundtrip.MIN_SNR_DB + 4, f"{name}: {got:.1f} dB"
     x = tensors[0]
-    assert snr(x, torch.randn(x.shape, generator=g)) < gguf_file.MIN_SNR_DB
+    assert snr(x, torch.randn(x.shape, generator=g)) < gguf_roundtrip.MIN_SNR_DB
 
 
 def test_encode_many_per_expert_importance_weights_equal_llamacpp():

@@ -1,5 +1,6 @@
 """Process-level settings every layer shares: the compute device and dtype by name, the
-rows of one forward batch, and glibc's heap (mmap threshold, trimming).
+rows of one forward batch, glibc's heap (mmap threshold, trimming), and what a worker
+process needs (dying with its parent, sending its errors back).
 
 Nothing here imports any other part of quantpress but :mod:`quantpress.errors`.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import pickle
 import re
+import signal
+import sys
 
 import torch
 
@@ -178,3 +182,24 @@ def trim_heap(*_args, force: bool = False) -> None:
         after = anon_rss()
         _LAST_TRIM[:] = [] if after is None else [after]
     return None
+
+
+def die_with_parent() -> None:
+    """Have the calling process killed (SIGKILL) when its parent dies, so that a worker
+    process does not outlive a killed command (Linux ``prctl(PR_SET_DEATHSIG)``; elsewhere a
+    no-op)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def sendable(e: BaseException) -> BaseException:
+    """``e`` itself when it pickles (to be sent to another process), else a RuntimeError
+    with its type and first line."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - any unpicklable exception
+        return RuntimeError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

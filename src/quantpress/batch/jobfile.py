@@ -338,7 +338,7 @@ def estimate(job: ModelJob) -> dict:
     decoder layer, X = calibration tokens × hidden × 4, f the MLP width:
 
     * ``gguf``: the largest tensor in float32, its quantized bytes per policy, and the round
-      trip's float32 chunks (``convert.gguf_file.VERIFY_CHUNK_ELEMENTS``, four copies);
+      trip's float32 chunks (``convert.gguf_roundtrip.VERIFY_CHUNK_ELEMENTS``, four copies);
     * ``calibration pass``: the streaming engine, max(E + X, W + 2X + A) with A one forward
       batch's temporaries, plus its consumers' working sets, added when
       :func:`~quantpress.calibration.engine.side_by_side_threads` runs them side by side (this
@@ -358,7 +358,7 @@ def estimate(job: ModelJob) -> dict:
     from quantpress.calibration.engine import SafetensorsDir, side_by_side_threads
     from quantpress.calibration.exl2_measure import GPTQ_BATCH_BYTES
     from quantpress.convert import gguf_arch, gguf_policy
-    from quantpress.convert.gguf_file import VERIFY_CHUNK_ELEMENTS
+    from quantpress.convert.gguf_roundtrip import VERIFY_CHUNK_ELEMENTS
     from quantpress.quantize import ggml
     from quantpress.runtime import pick_device, rows_per_batch
     from quantpress.targets.eval import LOGITS_BUDGET

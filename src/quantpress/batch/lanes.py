@@ -18,33 +18,13 @@ records outcomes and writes the manifest.
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 import threading
 from typing import Any, Callable
 
+from quantpress.runtime import die_with_parent, sendable
+
 #: CPU priority (nice value) of the side lane's process
 SIDE_NICE = 19
-
-
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def _sendable(e: BaseException) -> BaseException:
-    """``e`` itself when it pickles, else a RuntimeError with its first line."""
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001 - any unpicklable exception
-        return RuntimeError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
 
 
 def _serve(conn) -> None:
@@ -56,7 +36,7 @@ def _serve(conn) -> None:
     ``("done", exception or None)`` per request. Ends when the pipe closes."""
     import os
 
-    _die_with_parent()
+    die_with_parent()
     try:
         os.setpriority(os.PRIO_PROCESS, 0, max(SIDE_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
     except (OSError, AttributeError):
@@ -95,7 +75,7 @@ def _serve(conn) -> None:
                     run_stage(plan, payload, sources[plan.dir], lambda oc: conn.send(("outcome", oc)),
                               False, lambda m: conn.send(("log", m)))
         except Exception as e:  # noqa: BLE001 - the request's failure, sent back
-            error = _sendable(e)
+            error = sendable(e)
         conn.send(("done", error))
 
 

@@ -6,7 +6,7 @@ tensor (:func:`quantpress.convert.gguf_policy.plan_types`, llama.cpp's
 ``llama_tensor_get_type``); tensors are then read, quantized and written one at a time
 (:func:`quantpress.convert.gguf_file.write_gguf_many`) while the round trip re-reads each
 tensor from the file with gguf-py beside the writing
-(:class:`quantpress.convert.gguf_file.RoundTripWatch`). Several policies of one source
+(:func:`quantpress.convert.gguf_roundtrip.watch_round_trip`). Several policies of one source
 are written together from one read of each source tensor per tensor order
 (:meth:`GGUFTarget.write_together`).
 
@@ -30,8 +30,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
-from quantpress.convert.gguf_file import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
-                                          write_gguf_many)
+from quantpress.convert.gguf_file import write_gguf_many
+from quantpress.convert.gguf_roundtrip import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
+                                               start_checkers)
 from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
@@ -291,6 +292,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):
             self.device = self.source.device
+            start_checkers(self.device)     # the round trip's processes start while the plan is made
             p, o = self.source.path, self.options
             self.plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
 
@@ -419,6 +421,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                             + (", ..." if len(pl.no_entry) > 4 else "") + ")" if pl.no_entry else ""))
         details = {
             "policy": self.options.policy, "type_counts": counts, "rmse": overall,
+            "roundtrip_checker_rss_mib": round(rt.checker_rss_mib),
             "overrides": {n: {"policy": a, "written": b} for n, (a, b) in changed.items()},
             "imatrix": None if pl.importance is None else {
                 "file": pl.importance.file, "weighted": sorted(pl.imatrix), "no_entry": pl.no_entry},

@@ -1,0 +1,733 @@
+"""GGUF round trips: re-reading a written file with gguf-py's GGUFReader and checking every
+tensor against its source (:func:`verify_gguf`), or checking each tensor as soon as the
+writer has put it on disk (:func:`watch_round_trip`).
+
+The checks beside the writing run in checker processes of their own where they can
+(:class:`CheckerProcesses`, :class:`RoundTripProcessWatch`), else in threads
+(:class:`RoundTripWatch`): gguf-py's dequantization and our codecs are many numpy and torch
+calls issued from Python, each holding the interpreter lock while it is dispatched, so a
+check in a thread slows the quantization beside it even on idle cores, and several threads
+of checks serialize (``scripts/bench_gguf.py`` prints the round trip's share of the stage).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors' memory
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants as gguf_quants
+
+from quantpress.errors import InputError
+from quantpress.quantize import ggml
+from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
+from quantpress.runtime import die_with_parent, sendable
+
+
+@dataclass
+class SourceTensor:
+    """One output tensor before quantization.
+
+    ``name``: GGUF tensor name; ``shape``: torch order (last axis = ggml ne[0], the row);
+    ``load()``: returns the float tensor (any float dtype, CPU) with that shape.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor."""
+        return math.prod(self.shape)
+
+
+@dataclass
+class TensorReport:
+    """Round-trip figures of one tensor: dequantized file contents against the source."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    n_bytes: int
+    rmse: float
+    max_abs_err: float
+    snr_db: float  # 10 log10(Σx² / Σ(x−x̂)²); inf when exact
+
+    @property
+    def bpw(self) -> float:
+        """Bits per weight of the stored tensor (8 · bytes / elements)."""
+        return 8.0 * self.n_bytes / math.prod(self.shape)
+
+
+@dataclass
+class RoundTrip:
+    """Result of :func:`verify_gguf`: per-tensor reports and the mismatches found."""
+
+    tensors: list[TensorReport] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    #: seconds spent checking (beside the writing: the wall time during which a check ran)
+    seconds: float = 0.0
+    #: the largest peak RSS (MiB) of the checker processes that ran the checks (0: in threads)
+    checker_rss_mib: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no mismatch was found."""
+        return not self.mismatches
+
+
+class GGUFFileReader(GGUFReader):
+    """gguf-py's ``GGUFReader``, parsing the file exactly as it does, over a plain ndarray view
+    of its memory map (kept as ``memmap``). gguf-py slices its ``data`` once or twice for every
+    metadata value, and numpy's ``memmap`` subclass makes each slice run a Python-level
+    ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges took 1.9 s to
+    parse that way, 0.5 s over the plain view (scripts/micro_figures.py). Fields and tensors
+    are the same arrays' values (the tensors' ``data`` are ndarray views of the same map)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mm: np.memmap) -> None:
+        self.memmap = mm
+        self._plain = mm.view(np.ndarray)
+
+
+def open_reader(path: str | Path) -> GGUFReader:
+    """gguf-py's reader (:class:`GGUFFileReader`) of ``path``. Raises InputError naming the
+    file when it is missing or gguf-py cannot parse it (truncated, not GGUF)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        return GGUFFileReader(str(path))
+    except Exception as e:  # gguf-py raises ValueError / struct errors on bad files
+        raise InputError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def reader_raw(rt) -> np.ndarray:
+    """The bytes of a GGUFReader tensor as uint8 [rows, row_bytes] (ne[0] is the row)."""
+    data = np.asarray(rt.data)
+    ne0 = int(rt.shape[0])
+    gt = ggml.get(GGMLQuantizationType(rt.tensor_type).name)
+    return data.view(np.uint8).reshape(-1, gt.row_bytes(ne0))
+
+
+# rows per verification chunk: bounds the float32 copies (gguf-py's, ours, the source's,
+# the error) to a few times this many elements, whatever the tensor size
+VERIFY_CHUNK_ELEMENTS = 1 << 22
+
+#: Lowest signal-to-noise ratio (dB) of a tensor's decoded data against its source that the
+#: round trip accepts. Both dequantizers agree on whatever bytes are in the file, so data
+#: written in the wrong place (another tensor's of the same shape: about −3 dB; zeros: 0 dB;
+#: shifted by a block: about −3 dB) is caught only here. Every ggml type stays far above it:
+#: Q2_K, the coarsest written, gives 7.9–10.5 dB on random Gaussian, Student-t and
+#: outlier-column tensors, Q3_K 16.4–16.6 dB, the 4-bit types 18.9–22.9 dB
+#: (scripts/micro_figures.py).
+MIN_SNR_DB = 3.0
+
+
+def drop_pages(reader: GGUFReader, rt) -> None:
+    """Release the process's mapping of tensor ``rt``'s pages in ``reader``'s memory map
+    (``madvise(MADV_DONTNEED)``; the pages stay in the page cache and are read again if the
+    tensor is), so that reading a file tensor by tensor does not grow the process's RSS with
+    the whole file. A no-op where the platform has no ``madvise``."""
+    mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = (int(rt.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = int(rt.data_offset) + int(rt.n_bytes) - start
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, length)
+    except (OSError, ValueError):
+        pass
+
+
+def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | None,
+                  device: torch.device, rep: RoundTrip) -> None:
+    """The round trip of one tensor (:func:`verify_gguf`): ``rt`` the reader's tensor, ``st``
+    its plan, ``planned`` its ggml type, ``source`` the source tensor (None: ``st.load()``).
+    Appends a :class:`TensorReport` or the mismatch to ``rep``."""
+    tname = GGMLQuantizationType(rt.tensor_type).name
+    shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+    if tname != planned or shape != tuple(st.shape):
+        rep.mismatches.append(f"{st.name}: file has {tname}{shape}, expected {planned}{st.shape}")
+        return
+    raw = reader_raw(rt)
+    src = (st.load() if source is None else source).reshape(raw.shape[0], -1)
+    step = max(1, VERIFY_CHUNK_ELEMENTS // src.shape[1])
+    neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
+    for r0 in range(0, raw.shape[0], step):
+        chunk = raw[r0:r0 + step]
+        ref = np.ascontiguousarray(gguf_quants.dequantize(chunk, GGMLQuantizationType[tname]),
+                                   dtype=np.float32).reshape(-1)
+        # our dequantization and the comparisons run on ``device`` (one sync per chunk)
+        ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).reshape(-1)
+        ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy())  # F32: a view of the map
+        diff = (ref_t.to(device).view(torch.int32) != ours.view(torch.int32)).sum()
+        x = src[r0:r0 + step].to(device=device, dtype=torch.float32).reshape(-1)
+        e = ours - x
+        lo, hi = torch.aminmax(e)
+        d, se_c, sig_c, lo, hi = torch.stack([diff.to(torch.float64), torch.dot(e, e).double(),
+                                              torch.dot(x, x).double(), lo.double(), hi.double()]).tolist()
+        neq += int(d)
+        se += se_c
+        sig += sig_c
+        max_err = max(max_err, -lo, hi)
+    if neq:
+        rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
+    ratio = sig / se if se else math.inf
+    snr = 10 * math.log10(ratio) if 0 < ratio < math.inf else (math.inf if se == 0 else -math.inf)
+    if snr < MIN_SNR_DB:
+        rep.mismatches.append(f"{st.name}: its {tname} data decodes to {snr:.1f} dB SNR against the "
+                              f"source tensor, below {MIN_SNR_DB:g} dB (another tensor's data?)")
+    rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes),
+                                    math.sqrt(se / max(1, st.numel)), max_err, snr))
+
+
+def _tensor_index(reader: GGUFReader, tensors: list[SourceTensor], rep: RoundTrip) -> dict:
+    by_name = {t.name: t for t in reader.tensors}
+    if len(by_name) != len(tensors):
+        rep.mismatches.append(f"file has {len(by_name)} tensors, expected {len(tensors)}")
+    return by_name
+
+
+def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                device: torch.device,
+                progress: Callable[[Iterable], Iterable] = lambda it: it) -> RoundTrip:
+    """Re-read ``path`` with gguf-py's GGUFReader and check every tensor.
+
+    For each tensor: name, ggml type and shape must be as planned; gguf-py's independent
+    dequantizer (``gguf.quants.dequantize``) must equal ours (``quantize.ggml.dequantize``)
+    bit for bit; and the result is compared with the source tensor: RMSE, max |error| and
+    SNR in dB (10 log10 Σx²/Σ(x−x̂)², float32 sums), which must reach :data:`MIN_SNR_DB` (the
+    bytes are this tensor's, in their place). Works through each tensor in row chunks
+    of about VERIFY_CHUNK_ELEMENTS, so memory follows that, not the tensor or the file.
+    Returns a :class:`RoundTrip`; its ``mismatches`` lists every failure.
+    (:class:`RoundTripWatch` runs the same checks while the file is being written.)
+    """
+    t0 = time.perf_counter()
+    rep = RoundTrip()
+    try:
+        reader = GGUFFileReader(str(path))
+    except Exception as e:
+        rep.mismatches.append(f"gguf-py cannot read the file ({e})")
+        return rep
+    by_name = _tensor_index(reader, tensors, rep)
+    for st in progress(tensors):
+        rt = by_name.get(st.name)
+        if rt is None:
+            rep.mismatches.append(f"{st.name}: missing from the file")
+            continue
+        _check_tensor(rt, st, types[st.name], None, device, rep)
+        drop_pages(reader, rt)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+class RoundTripWatch:
+    """The round trip of :func:`verify_gguf`, run on a GGUF file while it is being written,
+    in a thread of its own (checking tensor i while the writer quantizes tensor i + 1), where
+    no checker process can be started (:class:`RoundTripProcessWatch` is the rule).
+
+    ``path``: the file, whose header, metadata and tensor infos are on disk and which has been
+    given its final ``size`` (zero-filled: the writer then fills it in order), so gguf-py's
+    reader (:class:`GGUFFileReader`) parses it once, at :meth:`start`, with every tensor's
+    offset where it will be; ``tensors`` / ``types``: the plan. :meth:`written` hands over
+    tensor ``index`` once its bytes are flushed to the file, with the source tensor just read
+    (checked as :func:`verify_gguf` checks it: gguf-py's and our dequantization bit for bit,
+    and the error against that source); at most ``workers`` wait, so the writer is held back
+    when the checks fall behind. :meth:`finish` waits for the last check, verifies the file's size
+    and returns the :class:`RoundTrip` (``seconds``: the wall time during which a check ran;
+    ``tensors`` in plan order). ``workers`` threads check tensors side by side (one on the
+    CPU; several when the quantization runs on an accelerator and the cores are idle). The threads quantize nothing: their dequantization runs on each alone
+    (:func:`quantpress.quantize.ggml.common.serial_codecs`), one torch thread each."""
+
+    def __init__(self, path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                 device: torch.device, size: int, workers: int = 1):
+        self.path, self.tensors, self.types, self.device, self.size = Path(path), tensors, types, device, size
+        self.workers = max(1, workers)
+        self.rep = RoundTrip()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.workers)
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+        self._checked: set[str] = set()
+        self._parsed = threading.Event()
+        self._lock = threading.Lock()
+        self._busy, self._busy_since = 0, 0.0
+        self._reader = self._by_name = None
+
+    def start(self) -> None:
+        """Start the threads: the first parses the file, then all check tensors as they are
+        handed over."""
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"quantpress-roundtrip-{i}",
+                                          daemon=True) for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def written(self, index: int, source: torch.Tensor) -> None:
+        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from."""
+        self._queue.put((index, source))
+
+    def _run(self, worker: int) -> None:
+        # on a GPU each thread queues its work on a stream of its own, so that its syncs do not
+        # wait for the quantization kernels queued by the writer
+        own = contextlib.nullcontext()
+        if self.device.type == "cuda":
+            try:
+                own = torch.cuda.stream(torch.cuda.Stream(self.device))
+            except RuntimeError:            # no stream of its own: the default stream serves
+                pass
+        with own, single_threaded_ops(), serial_codecs(), torch.no_grad():
+            if worker == 0:
+                self._parse()
+            self._parsed.wait()
+            self._check_all()
+
+    def _timed(self, begin: bool) -> None:
+        # seconds during which at least one thread was checking (wall time, not thread time)
+        with self._lock:
+            now = time.perf_counter()
+            if begin:
+                if self._busy == 0:
+                    self._busy_since = now
+                self._busy += 1
+            else:
+                self._busy -= 1
+                if self._busy == 0:
+                    self.rep.seconds += now - self._busy_since
+
+    def _parse(self) -> None:
+        self._timed(True)
+        try:
+            self._reader = GGUFFileReader(str(self.path))
+            self._by_name = _tensor_index(self._reader, self.tensors, self.rep)
+        except Exception as e:  # gguf-py cannot parse what was written: the round trip fails
+            self.rep.mismatches.append(f"gguf-py cannot read the file ({e})")
+            self._reader = None
+        finally:
+            self._timed(False)
+            self._parsed.set()
+
+    def _check_all(self) -> None:
+        reader, by_name = self._reader, self._by_name
+        while (item := self._queue.get()) is not None:
+            if reader is None or self._error is not None:
+                continue                        # keep taking what the writer hands over
+            self._timed(True)
+            index, source = item
+            item = None
+            try:
+                st = self.tensors[index]
+                rt = by_name.get(st.name)
+                if rt is None:
+                    self.rep.mismatches.append(f"{st.name}: missing from the file")
+                else:
+                    _check_tensor(rt, st, self.types[st.name], source, self.device, self.rep)
+                    drop_pages(reader, rt)
+                    self._checked.add(st.name)
+            except BaseException as e:  # reported by finish()
+                self._error = e
+            finally:
+                del source
+                self._timed(False)
+
+    def stop(self) -> None:
+        """End the threads (after the last checks they were handed); idempotent."""
+        alive = [t for t in self._threads if t.is_alive()]
+        for _ in alive:
+            self._queue.put(None)
+        for t in alive:
+            t.join()
+        self._threads = []
+
+    def finish(self) -> RoundTrip:
+        """Wait for the checks, then check the file's size and that every planned tensor was
+        checked; returns the :class:`RoundTrip`. Re-raises an error of the thread."""
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        return _conclude(self.rep, self.path, self.size, self.tensors, self._checked)
+
+
+def _conclude(rep: RoundTrip, path: Path, size: int, tensors: list[SourceTensor], checked: set[str]) -> RoundTrip:
+    # after the last check of a watch: the file's size, every planned tensor checked, the
+    # reports in plan order (checks end out of order)
+    actual = path.stat().st_size
+    if actual != size:
+        rep.mismatches.append(f"file is {actual} bytes, expected {size}")
+    missed = [st.name for st in tensors if st.name not in checked]
+    if missed and not rep.mismatches:
+        rep.mismatches.append(f"{missed[0]}: not checked ({len(missed)} tensors)")
+    order = {st.name: i for i, st in enumerate(tensors)}
+    rep.tensors.sort(key=lambda r: order.get(r.name, len(order)))
+    return rep
+
+
+# ---------------------------------------------------------------- checks in processes
+
+#: most checkers (processes, or threads where no process can be started) of one file's round
+#: trip when quantizing off the CPU; each holds up to :data:`CHECKS_IN_FLIGHT` source tensors
+VERIFY_WORKERS = 8
+#: a checker process takes another check while it has fewer than :data:`CHECKS_IN_FLIGHT`
+#: unanswered or fewer than :data:`CHECK_BACKLOG_ELEMENTS` source elements waiting (each kept
+#: in shared memory until answered), else the writer waits: checks cost unlike their
+#: quantization (SmolLM2's Q4_K_M stage, on two cores: 3.1 s with two checks, 2.8 s with four,
+#: 2.7 s with sixteen)
+CHECKS_IN_FLIGHT = 2
+CHECK_BACKLOG_ELEMENTS = 1 << 26
+#: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
+#: processes can be started
+USE_PROCESSES = True
+
+
+def checkers_for(device: torch.device) -> int:
+    """Checkers of one file's round trip when quantizing on ``device``: one on the CPU (the
+    codecs use the other cores), else up to :data:`VERIFY_WORKERS` of the idle cores (all
+    but one), since gguf-py's dequantization runs on the CPU and would hold back a GPU's
+    writing."""
+    return 1 if device.type == "cpu" else max(1, min(VERIFY_WORKERS, (os.cpu_count() or 2) - 1))
+
+
+def checker_limit() -> int:
+    """Most checker processes that files written side by side get together: all cores but
+    one (at least one each, :func:`checkers_for`)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def cores_taken(watches: list) -> int:
+    """The cores that these watches' checker processes take (0 for checks in threads): the
+    writer on the CPU leaves them to the checks."""
+    return len({id(c) for w in watches for c in getattr(w, "checkers", ())})
+
+
+def checker_processes_usable() -> bool:
+    """Whether round trips may run in checker processes: :data:`USE_PROCESSES` and this
+    process is not daemonic (:mod:`multiprocessing` forbids a daemonic process children; the
+    batch's side lane is one)."""
+    return USE_PROCESSES and not multiprocessing.current_process().daemon
+
+
+def _serve_checks(conn) -> None:
+    """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
+    (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
+    (``source``: a CPU float tensor in shared memory) and ``("close", key)`` (forget the file,
+    unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
+    found, spans, error, rss)``: :func:`_check_tensor`'s :class:`TensorReport` list and
+    mismatches, whether the tensor was in the file, the check's (t0, t1) span in
+    ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
+    it raised (or None) and the process's peak RSS in MiB. Ends when the pipe closes."""
+    die_with_parent()
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    files: dict[int, dict] = {}
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind, key = request[0], request[1]
+        if kind == "open":
+            _, _, path, plan, types = request
+            f = files[key] = {"tensors": [SourceTensor(n, tuple(s), None) for n, s in plan], "types": types,
+                              "reader": None, "mismatches": []}
+            t0 = time.monotonic()
+            try:
+                f["reader"] = GGUFFileReader(path)
+                f["by_name"] = _tensor_index(f["reader"], f["tensors"], rep := RoundTrip())
+                f["mismatches"] = rep.mismatches
+            except Exception as e:  # gguf-py cannot parse what was written: the round trip fails
+                f["mismatches"] = [f"gguf-py cannot read the file ({e})"]
+            f["parse"] = (t0, time.monotonic())
+            continue
+        if kind == "close":
+            files.pop(key, None)
+            continue
+        _, _, index, source = request
+        request = None
+        t0 = time.monotonic()
+        rep, found, error, spans = RoundTrip(), False, None, []
+        try:
+            f = files[key]
+            spans = [f.pop("parse")] if "parse" in f else []
+            rep.mismatches.extend(f["mismatches"])
+            if f["reader"] is not None:
+                st = f["tensors"][index]
+                rt = f["by_name"].get(st.name)
+                if rt is None:
+                    rep.mismatches.append(f"{st.name}: missing from the file")
+                else:
+                    with torch.no_grad():
+                        _check_tensor(rt, st, f["types"][st.name], source, cpu, rep)
+                    drop_pages(f["reader"], rt)
+                    found = True
+        except Exception as e:  # noqa: BLE001 - the check's failure, sent back
+            error = sendable(e)
+        del source
+        spans.append((t0, time.monotonic()))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # KiB on Linux
+        conn.send(("checked", key, index, rep.tensors, rep.mismatches, found, spans, error, rss))
+
+
+@dataclass
+class _Checker:
+    proc: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    pending: list = field(default_factory=list)    # (watch, elements) of each unanswered check, in order
+
+    def takes(self) -> bool:
+        return len(self.pending) < CHECKS_IN_FLIGHT or sum(n for _, n in self.pending) < CHECK_BACKLOG_ELEMENTS
+
+
+class CheckerProcesses:
+    """Checker processes (spawned, one torch thread each, killed with this process) shared by
+    every :class:`RoundTripProcessWatch` of this process, so that their start-up (importing
+    torch and gguf-py, about a second) is paid once. Each check goes to the watch's checker
+    with the fewest source elements waiting; the writer waits while none of them takes one
+    (:data:`CHECKS_IN_FLIGHT`, :data:`CHECK_BACKLOG_ELEMENTS`). Answers are taken in whenever the writer hands over a check or
+    waits. A checker that dies fails the watches that were waiting on it (RuntimeError with
+    its exit code), not the others; the next watch starts a new one."""
+
+    def __init__(self):
+        self._checkers: list[_Checker] = []
+        self._keys = 0
+        self._open: dict[int, RoundTripProcessWatch] = {}      # watches started, not stopped
+
+    def grow(self, n: int) -> None:
+        """Have at least ``n`` live checkers (starting the missing ones; returns at once,
+        they import in the background). Raises OSError when a process cannot be started."""
+        self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
+        ctx = multiprocessing.get_context("spawn")
+        while len(self._checkers) < n:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_checks, args=(child,), daemon=True,
+                               name=f"quantpress-check-{len(self._checkers)}")
+            proc.start()
+            child.close()
+            self._checkers.append(_Checker(proc, parent))
+
+    def open(self, watch: "RoundTripProcessWatch", n: int) -> list[_Checker]:
+        """Give ``watch`` a key and announce its file to ``n`` checkers, those serving the
+        fewest open files (files written side by side get checkers of their own, up to
+        :func:`checker_limit` in all); returns them."""
+        serving = {id(c): 0 for c in self._checkers}
+        for other in self._open.values():
+            for c in other.checkers:
+                if id(c) in serving:
+                    serving[id(c)] += 1
+        free = sum(1 for v in serving.values() if v == 0)
+        self.grow(min(max(n, checker_limit()), len(self._checkers) + max(0, n - free)))
+        self._keys += 1
+        watch.key = self._keys
+        self._open[watch.key] = watch
+        plan = [(st.name, tuple(st.shape)) for st in watch.tensors]
+        members = sorted(self._checkers, key=lambda c: serving.get(id(c), 0))[:n]
+        for c in members:
+            self._send(c, ("open", watch.key, str(watch.path), plan, watch.types))
+        return [c for c in members if c in self._checkers]
+
+    def submit(self, watch: "RoundTripProcessWatch", index: int, source: torch.Tensor) -> None:
+        """Hand ``watch``'s tensor ``index`` and its source (in shared memory) to one of its
+        checkers, first waiting while none of them takes another check."""
+        self._take(0)
+        while True:
+            live = [c for c in watch.checkers if c in self._checkers]
+            if not live:
+                raise watch.error or RuntimeError(f"round trip of {watch.path.name}: its checker "
+                                                  f"processes died")
+            c = min(live, key=lambda c: sum(n for _, n in c.pending))
+            if not c.takes():
+                self._take(None)
+            elif self._send(c, ("check", watch.key, index, source)):
+                c.pending.append((watch, source.numel()))
+                watch.pending += 1
+                return
+
+    def wait(self, watch: "RoundTripProcessWatch") -> None:
+        """Take in answers until every check of ``watch`` is answered (or its checkers died)."""
+        while watch.pending > 0:
+            self._take(None)
+
+    def close(self, watch: "RoundTripProcessWatch") -> None:
+        """Have ``watch``'s checkers forget its file (unmapping it)."""
+        self._open.pop(watch.key, None)
+        for c in watch.checkers:
+            if c in self._checkers:
+                self._send(c, ("close", watch.key))
+
+    def pids(self) -> list[int]:
+        """Process ids of the live checkers."""
+        return [c.proc.pid for c in self._checkers if c.proc.is_alive()]
+
+    def _send(self, c: _Checker, request: tuple) -> bool:
+        # False when the checker is gone (buried)
+        try:
+            c.conn.send(request)
+            return True
+        except OSError:
+            self._bury(c)
+            return False
+
+    def _bury(self, c: _Checker) -> None:
+        # a checker died: fail the watches waiting on it, forget it
+        c.proc.join(5)
+        dead = RuntimeError(f"round trip: checker process {c.proc.name} died (exit code "
+                            f"{c.proc.exitcode}) with {len(c.pending)} checks unanswered")
+        for watch, _ in c.pending:
+            watch.pending -= 1
+            watch.error = watch.error or dead
+        c.pending = []
+        if c in self._checkers:
+            self._checkers.remove(c)
+        c.conn.close()
+
+    def _take(self, timeout: float | None) -> None:
+        # receive what the checkers answered (waiting up to ``timeout`` for one, None: until one
+        # answers or dies); a dead checker fails the watches waiting on it
+        busy = [c for c in self._checkers if c.pending]
+        if not busy:
+            return
+        ready = multiprocessing.connection.wait([c.conn for c in busy], timeout)
+        for c in busy:
+            if c.conn not in ready:
+                continue
+            try:
+                while c.pending and c.conn.poll():
+                    _, key, index, reports, mismatches, found, spans, error, rss = c.conn.recv()
+                    watch, _ = c.pending.pop(0)
+                    watch.answered(index, reports, mismatches, found, spans, error, rss)
+            except (EOFError, OSError):
+                self._bury(c)
+
+
+_PROCESSES: CheckerProcesses | None = None
+
+
+def checker_processes(n: int) -> CheckerProcesses:
+    """This process's :class:`CheckerProcesses`, grown to ``n`` live checkers. OSError when
+    a process cannot be started."""
+    global _PROCESSES
+    if _PROCESSES is None:
+        _PROCESSES = CheckerProcesses()
+    _PROCESSES.grow(n)
+    return _PROCESSES
+
+
+def start_checkers(device: torch.device) -> None:
+    """Start, ahead of a GGUF write on ``device``, the checker processes its round trip will
+    use (:func:`checkers_for`), so that their start-up overlaps the work before the write. A
+    no-op where they cannot run (:func:`checker_processes_usable`, or a process cannot be
+    started: the round trip then runs in threads)."""
+    if checker_processes_usable():
+        try:
+            checker_processes(checkers_for(device))
+        except OSError:
+            pass
+
+
+def _shareable(t: torch.Tensor) -> torch.Tensor:
+    # a CPU tensor owning exactly its storage, which sending moves into shared memory (a
+    # view would share the whole storage it is cut from)
+    t = t.detach().cpu()
+    if (not t.is_contiguous() or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+class RoundTripProcessWatch:
+    """:class:`RoundTripWatch`'s checks (the same interface, the same checks of
+    :func:`verify_gguf`, the same :class:`RoundTrip`) run in ``workers`` checker processes of
+    ``pool`` (:class:`CheckerProcesses`) instead of threads: they neither hold back the
+    quantization in this process nor each other. Each process parses the file at its first
+    check. :meth:`written` moves the source tensor into shared memory (one copy) and hands it
+    over; our dequantization runs on the checker's CPU, whatever the writer's device (the
+    codecs' bytes and values are the same on every device: ``scripts/gpu_checks.py``).
+    ``seconds``: the wall time during which any checker was checking this file."""
+
+    def __init__(self, path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                 size: int, pool: CheckerProcesses, workers: int = 1):
+        self.path, self.tensors, self.types, self.size = Path(path), tensors, types, size
+        self.pool, self.workers = pool, max(1, workers)
+        self.rep = RoundTrip()
+        self.key, self.pending, self.checkers = 0, 0, []
+        self.error: BaseException | None = None
+        self._checked: set[str] = set()
+        self._spans: list[tuple[float, float]] = []
+
+    def start(self) -> None:
+        """Announce the file to the checkers (they parse it at their first check)."""
+        self.checkers = self.pool.open(self, self.workers)
+
+    def written(self, index: int, source: torch.Tensor) -> None:
+        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from.
+        Raises the error of an earlier check (a checker died or raised)."""
+        if self.error is not None:
+            raise self.error
+        self.pool.submit(self, index, _shareable(source))
+
+    def answered(self, index: int, reports: list, mismatches: list[str], found: bool,
+                 spans: list[tuple[float, float]], error: BaseException | None, rss: float) -> None:
+        """A checker's answer for tensor ``index`` (:func:`_serve_checks`)."""
+        self.pending -= 1
+        self.rep.tensors.extend(reports)
+        self.rep.mismatches.extend(m for m in mismatches if m not in self.rep.mismatches)
+        if found:
+            self._checked.add(self.tensors[index].name)
+        if error is not None and self.error is None:
+            self.error = error
+        self._spans.extend(spans)
+        self.rep.checker_rss_mib = max(self.rep.checker_rss_mib, rss)
+
+    def stop(self) -> None:
+        """Wait for the checks handed over, then have the checkers forget the file; idempotent."""
+        if self.checkers:
+            try:
+                self.pool.wait(self)
+            finally:
+                self.pool.close(self)
+                self.checkers = []
+
+    def finish(self) -> RoundTrip:
+        """Wait for the checks, then check the file's size and that every planned tensor was
+        checked; returns the :class:`RoundTrip`. Raises what a check raised, or RuntimeError
+        when a checker process died."""
+        self.stop()
+        if self.error is not None:
+            raise self.error
+        busy, end = 0.0, -math.inf
+        for t0, t1 in sorted(self._spans):
+            busy += max(0.0, t1 - max(t0, end))
+            end = max(end, t1)
+        self.rep.seconds = busy
+        return _conclude(self.rep, self.path, self.size, self.tensors, self._checked)
+
+
+def watch_round_trip(path: Path, tensors: list[SourceTensor], types: dict[str, str],
+                     device: torch.device, size: int) -> RoundTripWatch | RoundTripProcessWatch:
+    """The round trip beside the writing of ``path`` (not started): a
+    :class:`RoundTripProcessWatch` on :func:`checkers_for` ``(device)`` checker processes, or
+    where none can be started (:func:`checker_processes_usable`, OSError) a
+    :class:`RoundTripWatch` with as many threads."""
+    n = checkers_for(device)
+    if checker_processes_usable():
+        try:
+            return RoundTripProcessWatch(path, tensors, types, size, checker_processes(n), n)
+        except OSError:
+            pass
+    return RoundTripWatch(path, tensors, types, device, size, n)

@@ -3,8 +3,10 @@
 machine: llama.cpp's convert_hf_to_gguf.py --outtype f16 followed by llama-quantize
 (llama_model_quantize from llama-cpp-python 0.3.36, the function llama-quantize calls,
 with nthread = all cores). Each step runs in its own process; wall time and peak RSS
-(ru_maxrss of that process, or of a child it waited for if larger) are measured with os.wait4;
-our round trip's checker processes report their own peak RSS, printed beside ours. Prints both, their ratios, and
+(ru_maxrss of that process, or of a child it waited for if larger) are measured with os.wait4,
+and the peak memory of the whole process tree (the sum of its processes' proportional set
+sizes, PSS, from /proc, sampled every 20 ms: our round trip runs in a checker process forked
+from ours, which shares most of its pages). Prints both, their ratios, and
 whether the two outputs carry identical tensors.
 
   python scripts/bench_gguf.py                       # SmolLM2-135M
@@ -36,6 +38,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,21 +52,47 @@ from quantpress import assets  # noqa: E402
 PY = sys.executable
 
 
-def measure(cmd: list[str], env: dict | None = None, log: list[str] | None = None) -> tuple[float, float]:
-    """Run ``cmd``; return (wall seconds, peak RSS MiB) of that process. With ``log`` (a list),
-    the process's stdout and stderr are appended to it as one string."""
+def tree_pss_mib(pid: int) -> float:
+    """The summed PSS (MiB) of process ``pid`` and its descendants, from /proc (0 when gone)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            pass
+    return total / 1024
+
+
+def measure(cmd: list[str], env: dict | None = None, log: list[str] | None = None) -> tuple[float, float, float]:
+    """Run ``cmd``; return (wall seconds, peak RSS MiB of that process, peak PSS MiB of its
+    process tree sampled every 20 ms). With ``log`` (a list), the process's stdout and
+    stderr are appended to it as one string."""
     with tempfile.TemporaryFile() as err:  # a pipe would fill up and block the child
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if log is None else err, stderr=err)
+        peak, done = [0.0], threading.Event()
+
+        def sample():
+            while not done.wait(0.02):
+                peak[0] = max(peak[0], tree_pss_mib(p.pid))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         _, status, ru = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
+        done.set()
+        sampler.join()
         err.seek(0)
         text = err.read().decode(errors="replace")
         if os.waitstatus_to_exitcode(status) != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{text[-2000:]}")
         if log is not None:
             log.append(text)
-    return wall, ru.ru_maxrss / 1024
+    return wall, ru.ru_maxrss / 1024, peak[0]
 
 
 def synth4x(tokenizer: Path | None = None) -> Path:
@@ -125,8 +154,7 @@ def main() -> int:
         report = d / "report.json"
         mine = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
                         "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
-        rep = json.loads(report.read_text())
-        stages, checker_rss = rep["stages"], rep["details"].get("roundtrip_checker_rss_mib", 0)
+        stages = json.loads(report.read_text())["stages"]
         mine_q = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
                           "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages_q = json.loads(report.read_text())["stages"]
@@ -139,18 +167,18 @@ def main() -> int:
         "imatrix": args.imatrix,
         "llamacpp_convert_s": conv[0], "llamacpp_quantize_s": quant[0], "llamacpp_total_s": ref_total,
         "llamacpp_peak_rss_mib": max(conv[1], quant[1]), "llamacpp_convert_rss_mib": conv[1],
-        "llamacpp_quantize_rss_mib": quant[1],
-        "ours_total_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_stages_s": stages,
-        "ours_checker_peak_rss_mib": checker_rss, "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
+        "llamacpp_quantize_rss_mib": quant[1], "llamacpp_peak_pss_mib": max(conv[2], quant[2]),
+        "ours_total_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_peak_pss_mib": mine[2],
+        "ours_stages_s": stages, "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
         "ratio_total_ours_over_llamacpp": mine[0] / ref_total,
         "ratio_requantize_ours_over_llamacpp": mine_q[0] / quant[0],
         "identical_tensors": identical, "output_bytes": size,
     }
     print(f"model {model} ({args.policy}, ours on {args.device}, llama.cpp nthread={nthread})")
-    print(f"  llama.cpp  convert f16 {conv[0]:7.1f} s  {conv[1]:7.0f} MiB | quantize {quant[0]:7.1f} s "
-          f"{quant[1]:7.0f} MiB | total {ref_total:7.1f} s")
-    print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB peak RSS (+ round-trip checker "
-          f"{checker_rss:.0f} MiB); stages "
+    print(f"  llama.cpp  convert f16 {conv[0]:7.1f} s  {conv[1]:7.0f} MiB RSS {conv[2]:7.0f} MiB PSS | quantize "
+          f"{quant[0]:7.1f} s {quant[1]:7.0f} MiB RSS {quant[2]:7.0f} MiB PSS | total {ref_total:7.1f} s")
+    print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB RSS {mine[2]:7.0f} MiB PSS (process "
+          f"tree); stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     print(f"  quantpress quantize gguf (llama.cpp's F16 file) {mine_q[0]:7.1f} s  {mine_q[1]:7.0f} MiB; stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages_q.items()))
@@ -182,8 +210,7 @@ def quantize_only(args, model: Path) -> int:
         quant_step = float(m.group(1)) / 1000 if m else float("nan")
         mine = measure([PY, "-m", "quantpress", "quantize", "gguf", str(f16), "--policy", args.policy,
                         "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
-        rep = json.loads(report.read_text())
-        stages, checker_rss = rep["stages"], rep["details"].get("roundtrip_checker_rss_mib", 0)
+        stages = json.loads(report.read_text())["stages"]
         from refs import tensors_of
         identical = tensors_of(ours_q) == tensors_of(ref_q)
         bare = None
@@ -197,16 +224,18 @@ def quantize_only(args, model: Path) -> int:
         "model": str(model), "policy": args.policy, "device": args.device, "imatrix": args.imatrix,
         "nthread_llamacpp": nthread, "f16_convert_s": conv and conv[0],
         "llamacpp_quantize_step_s": quant_step, "llamacpp_wall_s": quant[0], "llamacpp_peak_rss_mib": quant[1],
+        "llamacpp_peak_pss_mib": quant[2],
         "ours_quantize_step_s": step, "ours_wall_s": mine[0], "ours_peak_rss_mib": mine[1], "ours_stages_s": stages,
-        "ours_checker_peak_rss_mib": checker_rss,
+        "ours_peak_pss_mib": mine[2],
         "speedup_step_llamacpp_over_ours": quant_step / step, "speedup_wall_llamacpp_over_ours": quant[0] / mine[0],
         "identical_tensors": identical, "ours_quantize_write_without_round_trip_s": bare,
     }
     print(f"model {model} ({args.policy}{', imatrix' if im else ''}; ours on {args.device}, "
           f"llama-quantize nthread={nthread})")
-    print(f"  llama-quantize: quantize time {quant_step:7.2f} s, process {quant[0]:7.2f} s, {quant[1]:6.0f} MiB")
-    print(f"  quantize gguf:  quantize+write {step:7.2f} s, process {mine[0]:7.2f} s, {mine[1]:6.0f} MiB "
-          f"(+ round-trip checkers {checker_rss:.0f} MiB each); stages "
+    print(f"  llama-quantize: quantize time {quant_step:7.2f} s, process {quant[0]:7.2f} s, {quant[1]:6.0f} MiB RSS, "
+          f"{quant[2]:6.0f} MiB PSS")
+    print(f"  quantize gguf:  quantize+write {step:7.2f} s, process {mine[0]:7.2f} s, {mine[1]:6.0f} MiB RSS, "
+          f"{mine[2]:6.0f} MiB PSS (process tree); stages "
           + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items()))
     print(f"  llama-quantize / ours: quantization step {fig['speedup_step_llamacpp_over_ours']:.2f}x, "
           f"process {fig['speedup_wall_llamacpp_over_ours']:.2f}x; identical tensors: {identical}")

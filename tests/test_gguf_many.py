@@ -258,8 +258,8 @@ def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, mon
 
 
 def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path, monkeypatch):
-    """Four files written together, their round trips in checker processes (by default, the
-    checkers' peak RSS reported) and then in threads: the same per-tensor reports, value for
+    """Four files written together, their round trips in checker processes (by default, one
+    per file on the CPU) and then in threads: the same per-tensor reports, value for
     value (the same float32 checks on the CPU), and the same bytes."""
     reports, shas = {}, {}
     for processes in (True, False):
@@ -269,11 +269,41 @@ def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path,
         GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
         for t in targets:
             assert t.roundtrip.ok, t.roundtrip.mismatches
-            assert (t.roundtrip.checker_rss_mib > 100) == processes, t.roundtrip.checker_rss_mib
+            assert t.roundtrip.checker_processes == (1 if processes else 0), t.roundtrip.checker_processes
         reports[processes] = [t.roundtrip.tensors for t in targets]
         shas[processes] = [_sha(f) for f in tmps]
     assert reports[True] == reports[False] and shas[True] == shas[False]
     assert sum(len(r) for r in reports[True]) == sum(len(t.plan.tensors) for t in _fresh(prepared))
+
+
+@pytest.fixture
+def small_staging(monkeypatch):
+    """Checker processes whose staging area is 140,000 bytes (the next ones: those of the test
+    are ended before and after it)."""
+    monkeypatch.setattr(gguf_roundtrip, "STAGING_BYTES", 140_000)
+    gguf_roundtrip.close_checkers()
+    yield
+    gguf_roundtrip.close_checkers()
+
+
+def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch, small_staging):
+    """Sources handed over through a staging area smaller than some of them (those go alone,
+    in shared memory of their own) and than the others together (the area wraps around many
+    times; up to three checkers per file): the same reports and bytes as in threads."""
+    monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
+    sizes = [(x := st.load()).numel() * x.element_size() for st in _fresh(prepared, ["Q4_K_M"])[0].plan.tensors]
+    assert max(sizes) > 140_000 and sum(s for s in sizes if s <= 140_000) > 5 * 140_000, sizes
+    reports = {}
+    for processes in (True, False):
+        monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
+        targets = _fresh(prepared, ["Q4_K_M", "Q8_0"])
+        tmps = [tmp_path / f"{t.options.policy}-{processes}.gguf" for t in targets]
+        GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
+        assert all(t.roundtrip.ok for t in targets), [t.roundtrip.mismatches for t in targets]
+        n = [t.roundtrip.checker_processes for t in targets]
+        assert all(1 <= k <= 3 for k in n) if processes else n == [0, 0], n
+        reports[processes] = ([t.roundtrip.tensors for t in targets], [_sha(f) for f in tmps])
+    assert reports[True] == reports[False]
 
 
 def test_a_checker_process_that_dies_fails_the_command(tiny_llama_dir, tmp_path, monkeypatch, capsys):

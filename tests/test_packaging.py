@@ -55,8 +55,8 @@ def test_wheel_has_one_top_level_package(wheel):
     assert not [r for r in runtime if "llama" in r or "pytest" in r or "gptqmodel" in r], runtime
     assert any("llama-cpp-python" in r and 'extra == "test"' in r for r in requires)
     entry = zipfile.ZipFile(wheel).read(f"{info[0]}/entry_points.txt").decode()
-    assert "convert = quantpress.cli.convert_main:main" in entry
-    assert "quantize = quantpress.cli.quantize_main:main" in entry
+    assert "convert = quantpress.cli.convert_main:console" in entry
+    assert "quantize = quantpress.cli.quantize_main:console" in entry
 
 
 @pytest.fixture(scope="module")

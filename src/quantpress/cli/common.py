@@ -9,11 +9,12 @@ of memory says so and suggests ``--batch-tokens`` or ``--device cpu``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, NoReturn
 
 from quantpress.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ROUND_TRIP, InputError,
                                RoundTripError)
@@ -105,6 +106,17 @@ def main(prog: str, description: str, add_verbs: Callable, argv: list[str] | Non
     add_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB"))
     args = p.parse_args(argv)
     return run_command(lambda: args.run(args), debug=args.debug)
+
+
+def exit_with(code: int) -> NoReturn:
+    """End a console command with exit ``code`` (what the command-line entry points call
+    after ``main``; ``main`` itself returns, for callers in Python). The objects the run made
+    (transformers' modules, the tokenizer's vocabulary, the GGUF metadata: hundreds of
+    thousands) are first frozen out of the garbage collector (``gc.freeze``), so that the
+    interpreter's shutdown does not trace them all once more: 0.5 s of a 5.8 s SmolLM2
+    ``convert hf-to-gguf`` on this project's 2-core machine. Exit handlers run as usual."""
+    gc.freeze()
+    sys.exit(code)
 
 
 def compute_options(args: argparse.Namespace):

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-import sys
+from typing import NoReturn
 from pathlib import Path
 
 from quantpress.cli import common
@@ -56,5 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     return common.main("convert", "quantpress format conversion", add_verbs, argv)
 
 
+def console() -> NoReturn:
+    """The ``convert`` command (console script): :func:`main` on ``sys.argv``, then
+    :func:`~quantpress.cli.common.exit_with` its code."""
+    common.exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

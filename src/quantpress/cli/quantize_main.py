@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from typing import NoReturn
 from pathlib import Path
 
 from quantpress.cli import common
@@ -251,5 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     return common.main("quantize", "quantpress quantization", add_verbs, argv)
 
 
+def console() -> NoReturn:
+    """The ``quantize`` command (console script): :func:`main` on ``sys.argv``, then
+    :func:`~quantpress.cli.common.exit_with` its code."""
+    common.exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -11,6 +11,7 @@ of checks serialize (``scripts/bench_gguf.py`` prints the round trip's share of 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import mmap
@@ -18,7 +19,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,8 +81,8 @@ class RoundTrip:
     mismatches: list[str] = field(default_factory=list)
     #: seconds spent checking (beside the writing: the wall time during which a check ran)
     seconds: float = 0.0
-    #: the largest peak RSS (MiB) of the checker processes that ran the checks (0: in threads)
-    checker_rss_mib: float = 0.0
+    #: checker processes that answered (0: the checks ran in threads)
+    checker_processes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -382,15 +382,19 @@ def _conclude(rep: RoundTrip, path: Path, size: int, tensors: list[SourceTensor]
 # ---------------------------------------------------------------- checks in processes
 
 #: most checkers (processes, or threads where no process can be started) of one file's round
-#: trip when quantizing off the CPU; each holds up to :data:`CHECKS_IN_FLIGHT` source tensors
+#: trip when quantizing off the CPU
 VERIFY_WORKERS = 8
-#: a checker process takes another check while it has fewer than :data:`CHECKS_IN_FLIGHT`
-#: unanswered or fewer than :data:`CHECK_BACKLOG_ELEMENTS` source elements waiting (each kept
-#: in shared memory until answered), else the writer waits: checks cost unlike their
-#: quantization (SmolLM2's Q4_K_M stage, on two cores: 3.1 s with two checks, 2.8 s with four,
-#: 2.7 s with sixteen)
-CHECKS_IN_FLIGHT = 2
-CHECK_BACKLOG_ELEMENTS = 1 << 26
+#: bytes of the staging area, shared memory mapped by this process and every checker process
+#: (inherited when they are forked), through which the writer hands each source tensor over:
+#: one copy into pages the checkers touched at their start, not a new shared-memory segment
+#: per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up). It is also the
+#: backlog: the writer waits while the sources waiting for checks fill it. Checks cost unlike
+#: their quantization, and a checker's first check waits for its parse of the file (SmolLM2's
+#: vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s when the writer waited
+#: at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in float16,
+#: which holds its 28M-element embedding and what is quantized during the parse). A larger
+#: source goes alone, in shared memory of its own, once no check is waiting.
+STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started
 USE_PROCESSES = True
@@ -423,18 +427,68 @@ def checker_processes_usable() -> bool:
     return USE_PROCESSES and not multiprocessing.current_process().daemon
 
 
-def _serve_checks(conn) -> None:
+class _Staging:
+    """The staging area (:data:`STAGING_BYTES`): an anonymous shared mapping, used as a ring
+    of byte ranges handed out in order and reclaimed from the oldest as their checks are
+    answered (answers may come out of order)."""
+
+    def __init__(self, nbytes: int):
+        self.size = nbytes
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self._live: collections.deque = collections.deque()    # [start, end, answered]
+        self._head = 0
+
+    def take(self, nbytes: int) -> list | None:
+        """A range of ``nbytes`` (rounded up to 64) as ``[start, end, answered]``, or None
+        while the area cannot hold it."""
+        n = -(-nbytes // 64) * 64
+        if not self._live:
+            self._head = 0
+        tail = self._live[0][0] if self._live else 0
+        if not self._live or self._head > tail:     # free: [head, size) and [0, tail)
+            start = self._head if self._head + n <= self.size else (0 if n <= tail else None)
+        elif self._head < tail:                     # free: [head, tail)
+            start = self._head if self._head + n <= tail else None
+        else:                                       # full
+            start = None
+        if start is None or n > self.size:
+            return None
+        entry = [start, start + n, False]
+        self._live.append(entry)
+        self._head = start + n
+        return entry
+
+    def give_back(self, entry: list) -> None:
+        """The check of ``entry``'s source was answered."""
+        entry[2] = True
+        while self._live and self._live[0][2]:
+            self._live.popleft()
+
+
+def _staged(staging: _Staging, where: tuple) -> torch.Tensor:
+    # a view of the source a request names in the staging area: (start, dtype, shape)
+    start, dtype, shape = where
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * itemsize
+    return staging.bytes[start:start + n].view(dtype).view(shape)
+
+
+def _serve_checks(conn, staging: _Staging | None = None) -> None:
     """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
-    (``source``: a CPU float tensor in shared memory) and ``("close", key)`` (forget the file,
+    (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``: where it
+    lies in ``staging``, which the process first touches through) and ``("close", key)`` (forget the file,
     unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
-    found, spans, error, rss)``: :func:`_check_tensor`'s :class:`TensorReport` list and
+    found, spans, error, pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and
     mismatches, whether the tensor was in the file, the check's (t0, t1) span in
     ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
-    it raised (or None) and the process's peak RSS in MiB. Ends when the pipe closes."""
+    it raised (or None) and the process id. Ends when the pipe closes."""
     die_with_parent()
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
+    if staging is not None:
+        staging.bytes.fill_(0)          # its pages now exist: the writer's copies do not fault them in
     files: dict[int, dict] = {}
     while True:
         try:
@@ -460,6 +514,8 @@ def _serve_checks(conn) -> None:
             continue
         _, _, index, source = request
         request = None
+        if isinstance(source, tuple):
+            source = _staged(staging, source)
         t0 = time.monotonic()
         rep, found, error, spans = RoundTrip(), False, None, []
         try:
@@ -480,26 +536,22 @@ def _serve_checks(conn) -> None:
             error = sendable(e)
         del source
         spans.append((t0, time.monotonic()))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # KiB on Linux
-        conn.send(("checked", key, index, rep.tensors, rep.mismatches, found, spans, error, rss))
+        conn.send(("checked", key, index, rep.tensors, rep.mismatches, found, spans, error, os.getpid()))
 
 
 @dataclass
 class _Checker:
     proc: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
-    pending: list = field(default_factory=list)    # (watch, elements) of each unanswered check, in order
-
-    def takes(self) -> bool:
-        return len(self.pending) < CHECKS_IN_FLIGHT or sum(n for _, n in self.pending) < CHECK_BACKLOG_ELEMENTS
+    pending: list = field(default_factory=list)    # (watch, staging range or None) of each unanswered check
 
 
 class CheckerProcesses:
     """Checker processes (spawned, one torch thread each, killed with this process) shared by
     every :class:`RoundTripProcessWatch` of this process, so that their start-up (importing
     torch and gguf-py, about a second) is paid once. Each check goes to the watch's checker
-    with the fewest source elements waiting; the writer waits while none of them takes one
-    (:data:`CHECKS_IN_FLIGHT`, :data:`CHECK_BACKLOG_ELEMENTS`). Answers are taken in whenever the writer hands over a check or
+    with the fewest checks waiting, its source copied into the staging area (:data:`STAGING_BYTES`,
+    made before the first checker is forked); the writer waits while the area cannot hold it. Answers are taken in whenever the writer hands over a check or
     waits. A checker that dies fails the watches that were waiting on it (RuntimeError with
     its exit code), not the others; the next watch starts a new one."""
 
@@ -507,15 +559,16 @@ class CheckerProcesses:
         self._checkers: list[_Checker] = []
         self._keys = 0
         self._open: dict[int, RoundTripProcessWatch] = {}      # watches started, not stopped
+        self._staging = _Staging(STAGING_BYTES)
 
     def grow(self, n: int) -> None:
         """Have at least ``n`` live checkers (starting the missing ones; returns at once,
         they import in the background). Raises OSError when a process cannot be started."""
         self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("fork")
         while len(self._checkers) < n:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve_checks, args=(child,), daemon=True,
+            proc = ctx.Process(target=_serve_checks, args=(child, self._staging), daemon=True,
                                name=f"quantpress-check-{len(self._checkers)}")
             proc.start()
             child.close()
@@ -542,28 +595,44 @@ class CheckerProcesses:
         return [c for c in members if c in self._checkers]
 
     def submit(self, watch: "RoundTripProcessWatch", index: int, source: torch.Tensor) -> None:
-        """Hand ``watch``'s tensor ``index`` and its source (in shared memory) to one of its
-        checkers, first waiting while none of them takes another check."""
+        """Hand ``watch``'s tensor ``index`` and its source (copied into the staging area, or
+        if larger, alone in shared memory of its own) to one of its checkers, first waiting
+        while the staging area cannot hold it (a larger source: while any check waits)."""
         self._take(0)
+        source = source.detach()
+        nbytes = source.numel() * source.element_size()
         while True:
             live = [c for c in watch.checkers if c in self._checkers]
             if not live:
                 raise watch.error or RuntimeError(f"round trip of {watch.path.name}: its checker "
                                                   f"processes died")
-            c = min(live, key=lambda c: sum(n for _, n in c.pending))
-            if not c.takes():
-                self._take(None)
-            elif self._send(c, ("check", watch.key, index, source)):
-                c.pending.append((watch, source.numel()))
+            c = min(live, key=lambda c: len(c.pending))
+            if nbytes > self._staging.size:
+                if any(k.pending for k in self._checkers):
+                    self._take(None)
+                    continue
+                entry, request = None, _own_shared_memory(source)
+            else:
+                entry = self._staging.take(nbytes)
+                if entry is None:
+                    self._take(None)
+                    continue
+                where = (entry[0], source.dtype, tuple(source.shape))
+                _staged(self._staging, where).copy_(source)
+                request = where
+            if self._send(c, ("check", watch.key, index, request)):
+                c.pending.append((watch, entry))
                 watch.pending += 1
                 return
+            if entry is not None:
+                self._staging.give_back(entry)
 
     def wait(self, watch: "RoundTripProcessWatch") -> None:
         """Take in answers until every check of ``watch`` is answered (or its checkers died)."""
         while watch.pending > 0:
             self._take(None)
 
-    def close(self, watch: "RoundTripProcessWatch") -> None:
+    def forget(self, watch: "RoundTripProcessWatch") -> None:
         """Have ``watch``'s checkers forget its file (unmapping it)."""
         self._open.pop(watch.key, None)
         for c in watch.checkers:
@@ -573,6 +642,20 @@ class CheckerProcesses:
     def pids(self) -> list[int]:
         """Process ids of the live checkers."""
         return [c.proc.pid for c in self._checkers if c.proc.is_alive()]
+
+    def close(self) -> None:
+        """End the checkers (each at its next request, or killed after 5 s) and unmap the
+        staging area; the object is unusable afterwards."""
+        for c in self._checkers:
+            c.conn.close()
+        for c in self._checkers:
+            c.proc.join(5)
+            if c.proc.is_alive():
+                c.proc.kill()
+                c.proc.join()
+        self._checkers = []
+        del self._staging.bytes
+        self._staging.map.close()
 
     def _send(self, c: _Checker, request: tuple) -> bool:
         # False when the checker is gone (buried)
@@ -588,9 +671,11 @@ class CheckerProcesses:
         c.proc.join(5)
         dead = RuntimeError(f"round trip: checker process {c.proc.name} died (exit code "
                             f"{c.proc.exitcode}) with {len(c.pending)} checks unanswered")
-        for watch, _ in c.pending:
+        for watch, entry in c.pending:
             watch.pending -= 1
             watch.error = watch.error or dead
+            if entry is not None:
+                self._staging.give_back(entry)
         c.pending = []
         if c in self._checkers:
             self._checkers.remove(c)
@@ -608,9 +693,11 @@ class CheckerProcesses:
                 continue
             try:
                 while c.pending and c.conn.poll():
-                    _, key, index, reports, mismatches, found, spans, error, rss = c.conn.recv()
-                    watch, _ = c.pending.pop(0)
-                    watch.answered(index, reports, mismatches, found, spans, error, rss)
+                    _, key, index, reports, mismatches, found, spans, error, pid = c.conn.recv()
+                    watch, entry = c.pending.pop(0)
+                    if entry is not None:
+                        self._staging.give_back(entry)
+                    watch.answered(index, reports, mismatches, found, spans, error, pid)
             except (EOFError, OSError):
                 self._bury(c)
 
@@ -628,6 +715,15 @@ def checker_processes(n: int) -> CheckerProcesses:
     return _PROCESSES
 
 
+def close_checkers() -> None:
+    """End this process's checker processes, if any (the next round trip starts new ones,
+    with the :data:`STAGING_BYTES` then in force)."""
+    global _PROCESSES
+    if _PROCESSES is not None:
+        _PROCESSES.close()
+        _PROCESSES = None
+
+
 def start_checkers(device: torch.device) -> None:
     """Start, ahead of a GGUF write on ``device``, the checker processes its round trip will
     use (:func:`checkers_for`), so that their start-up overlaps the work before the write. A
@@ -640,10 +736,10 @@ def start_checkers(device: torch.device) -> None:
             pass
 
 
-def _shareable(t: torch.Tensor) -> torch.Tensor:
+def _own_shared_memory(t: torch.Tensor) -> torch.Tensor:
     # a CPU tensor owning exactly its storage, which sending moves into shared memory (a
     # view would share the whole storage it is cut from)
-    t = t.detach().cpu()
+    t = t.cpu()
     if (not t.is_contiguous() or t.storage_offset() != 0
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         t = t.clone(memory_format=torch.contiguous_format)
@@ -669,6 +765,7 @@ class RoundTripProcessWatch:
         self.error: BaseException | None = None
         self._checked: set[str] = set()
         self._spans: list[tuple[float, float]] = []
+        self._pids: set[int] = set()
 
     def start(self) -> None:
         """Announce the file to the checkers (they parse it at their first check)."""
@@ -679,10 +776,10 @@ class RoundTripProcessWatch:
         Raises the error of an earlier check (a checker died or raised)."""
         if self.error is not None:
             raise self.error
-        self.pool.submit(self, index, _shareable(source))
+        self.pool.submit(self, index, source)
 
     def answered(self, index: int, reports: list, mismatches: list[str], found: bool,
-                 spans: list[tuple[float, float]], error: BaseException | None, rss: float) -> None:
+                 spans: list[tuple[float, float]], error: BaseException | None, pid: int) -> None:
         """A checker's answer for tensor ``index`` (:func:`_serve_checks`)."""
         self.pending -= 1
         self.rep.tensors.extend(reports)
@@ -692,7 +789,8 @@ class RoundTripProcessWatch:
         if error is not None and self.error is None:
             self.error = error
         self._spans.extend(spans)
-        self.rep.checker_rss_mib = max(self.rep.checker_rss_mib, rss)
+        self._pids.add(pid)
+        self.rep.checker_processes = len(self._pids)
 
     def stop(self) -> None:
         """Wait for the checks handed over, then have the checkers forget the file; idempotent."""
@@ -700,7 +798,7 @@ class RoundTripProcessWatch:
             try:
                 self.pool.wait(self)
             finally:
-                self.pool.close(self)
+                self.pool.forget(self)
                 self.checkers = []
 
     def finish(self) -> RoundTrip:

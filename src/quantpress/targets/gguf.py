@@ -421,7 +421,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                             + (", ..." if len(pl.no_entry) > 4 else "") + ")" if pl.no_entry else ""))
         details = {
             "policy": self.options.policy, "type_counts": counts, "rmse": overall,
-            "roundtrip_checker_rss_mib": round(rt.checker_rss_mib),
+            "roundtrip_checker_processes": rt.checker_processes,
             "overrides": {n: {"policy": a, "written": b} for n, (a, b) in changed.items()},
             "imatrix": None if pl.importance is None else {
                 "file": pl.importance.file, "weighted": sorted(pl.imatrix), "no_entry": pl.no_entry},

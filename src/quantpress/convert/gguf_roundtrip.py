@@ -393,7 +393,7 @@ VERIFY_WORKERS = 8
 #: vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s when the writer waited
 #: at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in float16,
 #: which holds its 28M-element embedding and what is quantized during the parse). A larger
-#: source goes alone, in shared memory of its own, once no check is waiting.
+#: source goes alone, in shared memory of its own, one at a time.
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started
@@ -597,7 +597,7 @@ class CheckerProcesses:
     def submit(self, watch: "RoundTripProcessWatch", index: int, source: torch.Tensor) -> None:
         """Hand ``watch``'s tensor ``index`` and its source (copied into the staging area, or
         if larger, alone in shared memory of its own) to one of its checkers, first waiting
-        while the staging area cannot hold it (a larger source: while any check waits)."""
+        while the staging area cannot hold it (a larger source: while another such waits)."""
         self._take(0)
         source = source.detach()
         nbytes = source.numel() * source.element_size()
@@ -608,8 +608,8 @@ class CheckerProcesses:
                                                   f"processes died")
             c = min(live, key=lambda c: len(c.pending))
             if nbytes > self._staging.size:
-                if any(k.pending for k in self._checkers):
-                    self._take(None)
+                if any(entry is None for k in self._checkers for _, entry in k.pending):
+                    self._take(None)            # one source outside the area at a time
                     continue
                 entry, request = None, _own_shared_memory(source)
             else:

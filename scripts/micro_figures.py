@@ -25,6 +25,10 @@ constant or choice it supports (CPU, this machine):
   grid (the form must stay far below it); and the search's seconds per layer with slices of
   512 and 1,024 tokens and unsliced.
 
+With ``--threads 1,2,4,8`` only the codecs' thread cap (``quantize.ggml.common.CPU_CODEC_THREADS``):
+Q4_K of 16384 x 4096 weights (67 M) on each thread count, one run each (run it on a many-core
+machine: the figures in the constant's comment come from a 16-core Xeon).
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -137,6 +141,27 @@ def codec_threads() -> None:
         torch.set_num_threads(2)
     print(f"Q5_0 of 576 x 576: {one:.1f} ms on the calling thread alone, {two:.1f} ms on two threads "
           f"(CPU_PARALLEL_ELEMENTS = 2^{int(math.log2(saved))})")
+
+
+def codec_thread_sweep(counts: list[int]) -> None:
+    """Q4_K of 16384 x 4096 (67M weights) with the codec pool dealing its slices to each of
+    ``counts`` threads (torch's thread count; CPU_CODEC_THREADS lifted), one run each."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import common
+
+    x = torch.randn(16384, 4096)
+    ggml.quantize(x[:256], "Q4_K")
+    saved, before = common.CPU_CODEC_THREADS, torch.get_num_threads()
+    try:
+        common.CPU_CODEC_THREADS = max(counts)
+        for n in counts:
+            torch.set_num_threads(n)
+            t0 = time.perf_counter()
+            ggml.quantize(x, "Q4_K")
+            print(f"Q4_K of 16384 x 4096 on {n} threads: {time.perf_counter() - t0:.2f} s", flush=True)
+    finally:
+        common.CPU_CODEC_THREADS = saved
+        torch.set_num_threads(before)
 
 
 def hessian_factor() -> None:
@@ -298,10 +323,14 @@ def main() -> int:
     ap.add_argument("--awq-layers", type=int, default=3, help="SmolLM2 layers for the AWQ Gram "
                     "form's figures (30: all)")
     ap.add_argument("--cuda", action="store_true", help="only the GPU figure (ggml chunk size on CUDA)")
+    ap.add_argument("--threads", help="only the codec thread sweep, on these thread counts (e.g. 1,2,4,8)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
         ggml_cuda_chunks()
+        return 0
+    if args.threads:
+        codec_thread_sweep([int(n) for n in args.threads.split(",")])
         return 0
     snr_floor()
     codec_threads()

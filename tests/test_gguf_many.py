@@ -278,18 +278,18 @@ def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path,
 
 @pytest.fixture
 def small_staging(monkeypatch):
-    """Checker processes whose staging area is 140,000 bytes (the next ones: those of the test
-    are ended before and after it)."""
-    monkeypatch.setattr(gguf_roundtrip, "STAGING_BYTES", 140_000)
+    """Checker processes whose staging areas are 420,000 bytes together (140,000 each when
+    three start together; the checkers of the test are ended before and after it)."""
+    monkeypatch.setattr(gguf_roundtrip, "STAGING_BYTES", 420_000)
     gguf_roundtrip.close_checkers()
     yield
     gguf_roundtrip.close_checkers()
 
 
 def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch, small_staging):
-    """Sources handed over through a staging area smaller than some of them (those go alone,
-    in shared memory of their own) and than the others together (the area wraps around many
-    times; up to three checkers per file): the same reports and bytes as in threads."""
+    """Sources handed over through staging areas smaller than some of them (those go alone,
+    in shared memory of their own) and than the others together (the areas wrap around
+    several times; three checkers per file): the same reports and bytes as in threads."""
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
     sizes = [(x := st.load()).numel() * x.element_size() for st in _fresh(prepared, ["Q4_K_M"])[0].plan.tensors]
     assert max(sizes) > 140_000 and sum(s for s in sizes if s <= 140_000) > 5 * 140_000, sizes

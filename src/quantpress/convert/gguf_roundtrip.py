@@ -384,16 +384,21 @@ def _conclude(rep: RoundTrip, path: Path, size: int, tensors: list[SourceTensor]
 #: most checkers (processes, or threads where no process can be started) of one file's round
 #: trip when quantizing off the CPU
 VERIFY_WORKERS = 8
-#: bytes of the staging area, shared memory mapped by this process and every checker process
-#: (inherited when they are forked), through which the writer hands each source tensor over:
-#: one copy into pages the checkers touched at their start, not a new shared-memory segment
-#: per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up). It is also the
-#: backlog: the writer waits while the sources waiting for checks fill it. Checks cost unlike
-#: their quantization, and a checker's first check waits for its parse of the file (SmolLM2's
+#: bytes of the staging areas, split evenly among the checkers started together (but each at
+#: least a quarter of it, so that a GPU box's eight checkers hold two of a 554M model's
+#: float32 feed-forward matrices each): each
+#: checker process has one, shared memory that it and this process map (inherited when it is
+#: forked), through which the writer hands it its source tensors: one copy into pages the
+#: checker touched at its start, not a new shared-memory segment per tensor (which cost
+#: SmolLM2's writer 0.24 s of page faults and set-up). It is also the backlog: the writer
+#: waits while no checker's area can hold the next source. Checks cost unlike their
+#: quantization, and a checker's first check waits for its parse of the file (SmolLM2's
 #: vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s when the writer waited
 #: at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in float16,
 #: which holds its 28M-element embedding and what is quantized during the parse). A larger
-#: source goes alone, in shared memory of its own, one at a time.
+#: source goes alone, in shared memory of its own, at most one per checker at a time. (One
+#: area shared by eight checkers on a GPU box made each check wait for the oldest to be
+#: answered: the writer waited 2.5 s of a 6.9 s stage.)
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started
@@ -428,9 +433,9 @@ def checker_processes_usable() -> bool:
 
 
 class _Staging:
-    """The staging area (:data:`STAGING_BYTES`): an anonymous shared mapping, used as a ring
-    of byte ranges handed out in order and reclaimed from the oldest as their checks are
-    answered (answers may come out of order)."""
+    """A checker's staging area (:data:`STAGING_BYTES`): an anonymous shared mapping, used as
+    a ring of byte ranges handed out in order and reclaimed from the oldest as their checks
+    are answered."""
 
     def __init__(self, nbytes: int):
         self.size = nbytes
@@ -458,6 +463,14 @@ class _Staging:
         self._live.append(entry)
         self._head = start + n
         return entry
+
+    def close(self) -> None:
+        """Unmap the area (left mapped while a view of it is still alive)."""
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass
 
     def give_back(self, entry: list) -> None:
         """The check of ``entry``'s source was answered."""
@@ -543,23 +556,23 @@ def _serve_checks(conn, staging: _Staging | None = None) -> None:
 class _Checker:
     proc: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
+    staging: _Staging
     pending: list = field(default_factory=list)    # (watch, staging range or None) of each unanswered check
 
 
 class CheckerProcesses:
-    """Checker processes (spawned, one torch thread each, killed with this process) shared by
+    """Checker processes (forked, one torch thread each, killed with this process) shared by
     every :class:`RoundTripProcessWatch` of this process, so that their start-up (importing
     torch and gguf-py, about a second) is paid once. Each check goes to the watch's checker
-    with the fewest checks waiting, its source copied into the staging area (:data:`STAGING_BYTES`,
-    made before the first checker is forked); the writer waits while the area cannot hold it. Answers are taken in whenever the writer hands over a check or
-    waits. A checker that dies fails the watches that were waiting on it (RuntimeError with
+    with the fewest checks waiting whose staging area (:data:`STAGING_BYTES`) can hold its
+    source, copied there; the writer waits while none can. Answers are taken in whenever the
+    writer hands over a check or waits. A checker that dies fails the watches that were waiting on it (RuntimeError with
     its exit code), not the others; the next watch starts a new one."""
 
     def __init__(self):
         self._checkers: list[_Checker] = []
         self._keys = 0
         self._open: dict[int, RoundTripProcessWatch] = {}      # watches started, not stopped
-        self._staging = _Staging(STAGING_BYTES)
 
     def grow(self, n: int) -> None:
         """Have at least ``n`` live checkers (starting the missing ones; returns at once,
@@ -568,11 +581,12 @@ class CheckerProcesses:
         ctx = multiprocessing.get_context("fork")
         while len(self._checkers) < n:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve_checks, args=(child, self._staging), daemon=True,
+            staging = _Staging(max(64, STAGING_BYTES // n, STAGING_BYTES // 4))
+            proc = ctx.Process(target=_serve_checks, args=(child, staging), daemon=True,
                                name=f"quantpress-check-{len(self._checkers)}")
             proc.start()
             child.close()
-            self._checkers.append(_Checker(proc, parent))
+            self._checkers.append(_Checker(proc, parent, staging))
 
     def open(self, watch: "RoundTripProcessWatch", n: int) -> list[_Checker]:
         """Give ``watch`` a key and announce its file to ``n`` checkers, those serving the
@@ -595,9 +609,10 @@ class CheckerProcesses:
         return [c for c in members if c in self._checkers]
 
     def submit(self, watch: "RoundTripProcessWatch", index: int, source: torch.Tensor) -> None:
-        """Hand ``watch``'s tensor ``index`` and its source (copied into the staging area, or
-        if larger, alone in shared memory of its own) to one of its checkers, first waiting
-        while the staging area cannot hold it (a larger source: while another such waits)."""
+        """Hand ``watch``'s tensor ``index`` and its source to the one of its checkers with the
+        fewest checks waiting that can take it: copied into that checker's staging area, or
+        if larger than the area, alone in shared memory of its own, at most one such waiting
+        per checker. Waits (taking answers in) while none can."""
         self._take(0)
         source = source.detach()
         nbytes = source.numel() * source.element_size()
@@ -606,26 +621,24 @@ class CheckerProcesses:
             if not live:
                 raise watch.error or RuntimeError(f"round trip of {watch.path.name}: its checker "
                                                   f"processes died")
-            c = min(live, key=lambda c: len(c.pending))
-            if nbytes > self._staging.size:
-                if any(entry is None for k in self._checkers for _, entry in k.pending):
-                    self._take(None)            # one source outside the area at a time
-                    continue
-                entry, request = None, _own_shared_memory(source)
+            for c in sorted(live, key=lambda c: len(c.pending)):
+                if nbytes > c.staging.size:
+                    if any(entry is None for _, entry in c.pending):
+                        continue
+                    entry, request = None, _own_shared_memory(source)
+                else:
+                    entry = c.staging.take(nbytes)
+                    if entry is None:
+                        continue
+                    request = (entry[0], source.dtype, tuple(source.shape))
+                    _staged(c.staging, request).copy_(source)
+                if self._send(c, ("check", watch.key, index, request)):
+                    c.pending.append((watch, entry))
+                    watch.pending += 1
+                    return
+                break                   # that checker is gone: look again
             else:
-                entry = self._staging.take(nbytes)
-                if entry is None:
-                    self._take(None)
-                    continue
-                where = (entry[0], source.dtype, tuple(source.shape))
-                _staged(self._staging, where).copy_(source)
-                request = where
-            if self._send(c, ("check", watch.key, index, request)):
-                c.pending.append((watch, entry))
-                watch.pending += 1
-                return
-            if entry is not None:
-                self._staging.give_back(entry)
+                self._take(None)
 
     def wait(self, watch: "RoundTripProcessWatch") -> None:
         """Take in answers until every check of ``watch`` is answered (or its checkers died)."""
@@ -644,8 +657,8 @@ class CheckerProcesses:
         return [c.proc.pid for c in self._checkers if c.proc.is_alive()]
 
     def close(self) -> None:
-        """End the checkers (each at its next request, or killed after 5 s) and unmap the
-        staging area; the object is unusable afterwards."""
+        """End the checkers (each at its next request, or killed after 5 s) and unmap their
+        staging areas; the object is unusable afterwards."""
         for c in self._checkers:
             c.conn.close()
         for c in self._checkers:
@@ -653,9 +666,9 @@ class CheckerProcesses:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join()
+        for c in self._checkers:
+            c.staging.close()
         self._checkers = []
-        del self._staging.bytes
-        self._staging.map.close()
 
     def _send(self, c: _Checker, request: tuple) -> bool:
         # False when the checker is gone (buried)
@@ -675,11 +688,12 @@ class CheckerProcesses:
             watch.pending -= 1
             watch.error = watch.error or dead
             if entry is not None:
-                self._staging.give_back(entry)
+                c.staging.give_back(entry)
         c.pending = []
         if c in self._checkers:
             self._checkers.remove(c)
         c.conn.close()
+        c.staging.close()
 
     def _take(self, timeout: float | None) -> None:
         # receive what the checkers answered (waiting up to ``timeout`` for one, None: until one
@@ -696,7 +710,7 @@ class CheckerProcesses:
                     _, key, index, reports, mismatches, found, spans, error, pid = c.conn.recv()
                     watch, entry = c.pending.pop(0)
                     if entry is not None:
-                        self._staging.give_back(entry)
+                        c.staging.give_back(entry)
                     watch.answered(index, reports, mismatches, found, spans, error, pid)
             except (EOFError, OSError):
                 self._bury(c)

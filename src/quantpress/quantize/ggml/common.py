@@ -198,6 +198,11 @@ CPU_SLICE_ELEMENTS = 1 << 19
 # CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
 CPU_PARALLEL_ELEMENTS = 1 << 20
 CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
+# Most threads a codec call deals its slices to: every op's dispatch holds the GIL, so past a
+# few threads they wait on each other more than they work. Q4_K of 16384 x 4096 on the
+# 16-core Intel Xeon of an H200 box took 9.8 / 5.3 / 4.6 / 3.9 / 5.3 / 6.5 / 7.3 s on
+# 1 / 2 / 3 / 4 / 6 / 8 / 15 threads (scripts/micro_figures.py --threads 1,2,3,4,6,8,15).
+CPU_CODEC_THREADS = 4
 
 
 _threads_local = threading.local()
@@ -294,7 +299,7 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     costs more than it brings (and stalls badly on a busy machine), so ops run single-threaded
     and, from :data:`CPU_PARALLEL_ELEMENTS` elements up, the slices are dealt round-robin to as
     many threads as torch had intra-op threads: the calling thread and the threads of one
-    persistent pool (torch releases the GIL inside ops); ``search``: ``fn`` is a search-based
+    persistent pool (torch releases the GIL inside ops), at most :data:`CPU_CODEC_THREADS`; ``search``: ``fn`` is a search-based
     codec, shared out from :data:`CPU_PARALLEL_ELEMENTS_SEARCH`. A call made from a pool thread
     runs its slices itself. torch's thread setting is restored on return.
     """
@@ -309,7 +314,7 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     with single_threaded_ops() as threads:
         per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice
         least = CPU_PARALLEL_ELEMENTS_SEARCH if search else CPU_PARALLEL_ELEMENTS
-        workers = min(threads, max(2, -(-nb // per)) if nb * k >= least else 1)
+        workers = min(threads, CPU_CODEC_THREADS, max(2, -(-nb // per)) if nb * k >= least else 1)
         if workers < 2 or getattr(_pool_local, "worker", False):
             outs = [part(i, per) for i in range(0, nb, per)]
         else:

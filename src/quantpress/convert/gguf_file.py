@@ -81,6 +81,28 @@ GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor
 #: memory holds about this much source data beyond the largest tensor (2^27 = 134M: two
 #: thirds of a decoder layer of a 7B llama, whose layers hold 202M weights)
 WINDOW_ELEMENTS = 1 << 27
+#: ggml types whose quantization without importance weights costs about what its round-trip
+#: check costs, or less (no scale search); the others (K-quants, i-quants, any type with an
+#: imatrix) cost several times their check (:func:`_light`)
+LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+
+
+def _light(files: list, tensors: list[SourceTensor]) -> bool:
+    """Whether most of the weights (by count) are quantized to :data:`LIGHT_TYPES` without
+    importance weights in every file: then checking costs about what quantizing does and the
+    writer on the CPU leaves the checker processes their cores; else its codecs keep every
+    core and the checks share them. Quantize+write on two cores (scripts/bench_gguf.py):
+    SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.1-2.3 s with
+    one codec thread, 2.8-2.9 s with two; the 554M random llama's (Q4_K and Q6_K) 27.0 s with
+    one, 22.1 s with two. Deciding tensor by tensor, on whether the checker was busy, gave
+    2.6-3.0 s and 24.3-24.8 s."""
+    light = 0
+    for st in tensors:
+        if all(f[2][st.name] in LIGHT_TYPES and not (len(f) > 3 and f[3] and st.name in f[3]) for f in files):
+            light += st.numel
+    return 2 * light >= sum(st.numel for st in tensors)
+
+
 def _window_elements(device: torch.device) -> int:
     """Elements read ahead before a window is encoded: 0 on the CPU (one tensor at a time),
     else :data:`WINDOW_ELEMENTS`."""
@@ -161,9 +183,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 closing.callback(watch.stop)
                 watch.start()
                 watches.append(watch)
-        taken = cores_taken(watches)
-        if device.type == "cpu" and taken:      # the codecs leave the checkers their cores
-            closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - taken)))
+        if device.type == "cpu" and watches and _light(files, tensors):
+            # the codecs leave the checker processes their cores
+            closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         window: list[tuple[int, torch.Tensor]] = []     # tensors read, not yet written
 
         def flush() -> None:

@@ -384,21 +384,21 @@ def _conclude(rep: RoundTrip, path: Path, size: int, tensors: list[SourceTensor]
 #: most checkers (processes, or threads where no process can be started) of one file's round
 #: trip when quantizing off the CPU
 VERIFY_WORKERS = 8
-#: bytes of the staging areas, split evenly among the checkers started together (but each at
-#: least a quarter of it, so that a GPU box's eight checkers hold two of a 554M model's
-#: float32 feed-forward matrices each): each
-#: checker process has one, shared memory that it and this process map (inherited when it is
-#: forked), through which the writer hands it its source tensors: one copy into pages the
-#: checker touched at its start, not a new shared-memory segment per tensor (which cost
-#: SmolLM2's writer 0.24 s of page faults and set-up). It is also the backlog: the writer
-#: waits while no checker's area can hold the next source. Checks cost unlike their
-#: quantization, and a checker's first check waits for its parse of the file (SmolLM2's
-#: vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s when the writer waited
-#: at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in float16,
-#: which holds its 28M-element embedding and what is quantized during the parse). A larger
-#: source goes alone, in shared memory of its own, at most one per checker at a time. (One
-#: area shared by eight checkers on a GPU box made each check wait for the oldest to be
-#: answered: the writer waited 2.5 s of a 6.9 s stage.)
+#: bytes of the staging areas, split evenly among the checkers started together (each at
+#: least a quarter of it: a GPU box's eight checkers then hold two of a 554M model's float32
+#: feed-forward matrices each). Each checker process has one: shared memory that it and this
+#: process map (inherited when it is forked), through which the writer hands it its source
+#: tensors: one copy into pages the checker touched at its start, not a new shared-memory
+#: segment per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up). It is
+#: also the backlog: the writer waits while no checker's area can hold the next source.
+#: Checks cost unlike their quantization, and a checker's first check waits for its parse of
+#: the file (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s
+#: when the writer waited at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at
+#: 2^26 (128 MiB in float16: its 28M-element embedding and what is quantized during the
+#: parse). A larger source goes alone, in shared memory of its own, at most one per checker
+#: at a time. One area shared by eight checkers (an area frees its room in order, so a slow
+#: check holds back the room of the checks after it) had the writer wait 2.5-2.9 s of a
+#: 6.9-7.3 s stage on an H200 box; areas per checker were not measured there.
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started
@@ -420,8 +420,8 @@ def checker_limit() -> int:
 
 
 def cores_taken(watches: list) -> int:
-    """The cores that these watches' checker processes take (0 for checks in threads): the
-    writer on the CPU leaves them to the checks."""
+    """The cores these watches' checker processes take (0 for checks in threads), which a
+    writer on the CPU may leave them (:func:`quantpress.convert.gguf_file.write_gguf_many`)."""
     return len({id(c) for w in watches for c in getattr(w, "checkers", ())})
 
 

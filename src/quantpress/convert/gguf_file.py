@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from quantpress.quantize import ggml
-from quantpress.quantize.ggml.common import intra_op_threads
+from quantpress.quantize.ggml.common import CPU_PARALLEL_ELEMENTS, intra_op_threads
 from quantpress.errors import InputError
 
 from .gguf_roundtrip import RoundTrip, SourceTensor, cores_taken, watch_round_trip
@@ -88,19 +88,23 @@ LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "
 
 
 def _light(files: list, tensors: list[SourceTensor]) -> bool:
-    """Whether most of the weights (by count) are quantized to :data:`LIGHT_TYPES` without
-    importance weights in every file: then checking costs about what quantizing does and the
+    """Whether at most half of the weights (by count) are in tensors whose quantization costs
+    several times their check and is shared over threads: a type not in :data:`LIGHT_TYPES`
+    or given importance weights in some file, in a tensor of at least
+    ``CPU_PARALLEL_ELEMENTS`` (smaller ones are quantized on one thread anyway). Then the
     writer on the CPU leaves the checker processes their cores; else its codecs keep every
     core and the checks share them. Quantize+write on two cores (scripts/bench_gguf.py):
     SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.1-2.3 s with
-    one codec thread, 2.8-2.9 s with two; the 554M random llama's (Q4_K and Q6_K) 27.0 s with
-    one, 22.1 s with two. Deciding tensor by tensor, on whether the checker was busy, gave
-    2.6-3.0 s and 24.3-24.8 s."""
-    light = 0
+    one codec thread, 2.8-2.9 s with two; with its imatrix (weighted, but every weighted
+    tensor under 2^20 weights) 5.4 s and 6.2-6.4 s; the 554M random llama's (Q4_K and Q6_K)
+    27.0 s with one, 22.1 s with two. Deciding tensor by tensor, on whether the checker was
+    busy, gave 2.6-3.0 s and 24.3-24.8 s."""
+    heavy = 0
     for st in tensors:
-        if all(f[2][st.name] in LIGHT_TYPES and not (len(f) > 3 and f[3] and st.name in f[3]) for f in files):
-            light += st.numel
-    return 2 * light >= sum(st.numel for st in tensors)
+        if st.numel >= CPU_PARALLEL_ELEMENTS and any(
+                f[2][st.name] not in LIGHT_TYPES or (len(f) > 3 and f[3] and st.name in f[3]) for f in files):
+            heavy += st.numel
+    return 2 * heavy <= sum(st.numel for st in tensors)
 
 
 def _window_elements(device: torch.device) -> int:
@@ -139,10 +143,10 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     (:func:`quantpress.convert.gguf_roundtrip.watch_round_trip`: the file is given its final
     size once its header is written, gguf-py's reader parses it in a checker process of its
     own, and each tensor is checked there as soon as it is on disk, against the source tensor
-    just read, while the next is quantized; the source waits in shared memory, up to
-    ``CHECK_BACKLOG_ELEMENTS`` of them per checker; on the CPU the codecs leave the checkers
-    their cores) and return the :class:`RoundTrip` of each file, in the order of ``files``;
-    else None. RuntimeError when a checker process dies.
+    just read, while the next is quantized; the sources wait in the checkers' staging areas,
+    ``STAGING_BYTES`` together; on the CPU the codecs leave the checkers their cores when most
+    weights go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the
+    order of ``files``; else None. RuntimeError when a checker process dies.
 
     Raises ValueError for no files; InputError naming the tensor when a loaded tensor's
     shape is not ``shape`` or it holds NaN/Inf (the source weights are corrupt); KeyError

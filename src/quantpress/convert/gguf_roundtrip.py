@@ -562,8 +562,10 @@ class _Checker:
 
 class CheckerProcesses:
     """Checker processes (forked, one torch thread each, killed with this process) shared by
-    every :class:`RoundTripProcessWatch` of this process, so that their start-up (importing
-    torch and gguf-py, about a second) is paid once. Each check goes to the watch's checker
+    every :class:`RoundTripProcessWatch` of this process. Forked, not spawned: a checker
+    starts at once as a copy of this process (nothing to import, nothing of the caller's
+    main module to run again) and uses no GPU; they are forked early, when a GGUF target is
+    prepared (:func:`start_checkers`), and kept. Each check goes to the watch's checker
     with the fewest checks waiting whose staging area (:data:`STAGING_BYTES`) can hold its
     source, copied there; the writer waits while none can. Answers are taken in whenever the
     writer hands over a check or waits. A checker that dies fails the watches that were waiting on it (RuntimeError with
@@ -575,8 +577,8 @@ class CheckerProcesses:
         self._open: dict[int, RoundTripProcessWatch] = {}      # watches started, not stopped
 
     def grow(self, n: int) -> None:
-        """Have at least ``n`` live checkers (starting the missing ones; returns at once,
-        they import in the background). Raises OSError when a process cannot be started."""
+        """Have at least ``n`` live checkers (forking the missing ones, each with its staging
+        area). Raises OSError when a process cannot be started."""
         self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
         ctx = multiprocessing.get_context("fork")
         while len(self._checkers) < n:
@@ -740,7 +742,8 @@ def close_checkers() -> None:
 
 def start_checkers(device: torch.device) -> None:
     """Start, ahead of a GGUF write on ``device``, the checker processes its round trip will
-    use (:func:`checkers_for`), so that their start-up overlaps the work before the write. A
+    use (:func:`checkers_for`): forked from this process while it is still small, their first
+    touch of their staging areas overlapping the work before the write. A
     no-op where they cannot run (:func:`checker_processes_usable`, or a process cannot be
     started: the round trip then runs in threads)."""
     if checker_processes_usable():

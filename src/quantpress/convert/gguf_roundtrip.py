@@ -396,9 +396,8 @@ VERIFY_WORKERS = 8
 #: when the writer waited at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at
 #: 2^26 (128 MiB in float16: its 28M-element embedding and what is quantized during the
 #: parse). A larger source goes alone, in shared memory of its own, at most one per checker
-#: at a time. One area shared by eight checkers (an area frees its room in order, so a slow
-#: check holds back the room of the checks after it) had the writer wait 2.5-2.9 s of a
-#: 6.9-7.3 s stage on an H200 box; areas per checker were not measured there.
+#: at a time. (An area shared by several checkers would free its room in order, so a slow
+#: check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started

@@ -306,6 +306,51 @@ def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch
     assert reports[True] == reports[False]
 
 
+def test_checkers_end_with_a_killed_writer(tmp_path):
+    """A writer killed (SIGKILL, no exit handlers) leaves no checker process behind: each
+    checker holds only its own end of its pipe, which the writer's death closes."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, signal\n"
+            "from quantpress.convert import gguf_roundtrip as r\n"
+            "print(*r.checker_processes(3).pids(), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 3 and out.returncode == -signal.SIGKILL, out
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, alive
+
+
+def test_checkers_started_in_a_thread_that_ended(prepared, tmp_path):
+    """Checkers forked from a thread that has since ended still check (they do not die with
+    the thread that started them)."""
+    import threading
+    import time
+
+    gguf_roundtrip.close_checkers()
+    pids = []
+
+    def start():
+        gguf_roundtrip.start_checkers(torch.device("cpu"))
+        pids.extend(gguf_roundtrip.checker_processes(1).pids())
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    time.sleep(0.5)
+    assert pids and all(os.path.exists(f"/proc/{p}") for p in pids), pids
+    targets = _fresh(prepared, ["Q8_0"])
+    GGUFTarget.write_together(targets, [tmp_path / "o.gguf"], [Run(progress=False)])
+    assert targets[0].roundtrip.ok and targets[0].roundtrip.checker_processes == 1
+    assert gguf_roundtrip.checker_processes(1).pids()[:len(pids)] == pids
+
+
 def test_a_checker_process_that_dies_fails_the_command(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """The checker process killed while the file is written: exit 1, the checker named,
     nothing left; the next command starts a new checker and succeeds."""

@@ -34,7 +34,7 @@ from gguf import quants as gguf_quants
 from quantpress.errors import InputError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
-from quantpress.runtime import die_with_parent, sendable
+from quantpress.runtime import sendable
 
 
 @dataclass
@@ -486,7 +486,7 @@ def _staged(staging: _Staging, where: tuple) -> torch.Tensor:
     return staging.bytes[start:start + n].view(dtype).view(shape)
 
 
-def _serve_checks(conn, staging: _Staging | None = None) -> None:
+def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None = None) -> None:
     """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
     (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``: where it
@@ -495,8 +495,13 @@ def _serve_checks(conn, staging: _Staging | None = None) -> None:
     found, spans, error, pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and
     mismatches, whether the tensor was in the file, the check's (t0, t1) span in
     ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
-    it raised (or None) and the process id. Ends when the pipe closes."""
-    die_with_parent()
+    it raised (or None) and the process id. Ends when the pipe closes: ``inherited``, the
+    writer's ends of the checkers' pipes (this one's included) that a forked process holds
+    copies of, are closed first, so that the writer's exit, however it ends, closes every
+    checker's pipe. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread ends, and
+    the checkers outlive the thread that started them.)"""
+    for end in inherited or ():
+        end.close()
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     if staging is not None:
@@ -583,7 +588,8 @@ class CheckerProcesses:
         while len(self._checkers) < n:
             parent, child = ctx.Pipe()
             staging = _Staging(max(64, STAGING_BYTES // n, STAGING_BYTES // 4))
-            proc = ctx.Process(target=_serve_checks, args=(child, staging), daemon=True,
+            inherited = [c.conn for c in self._checkers] + [parent]
+            proc = ctx.Process(target=_serve_checks, args=(child, staging, inherited), daemon=True,
                                name=f"quantpress-check-{len(self._checkers)}")
             proc.start()
             child.close()

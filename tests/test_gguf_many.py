@@ -320,12 +320,20 @@ def test_checkers_end_with_a_killed_writer(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 3 and out.returncode == -signal.SIGKILL, out
+
+    def alive() -> list[int]:   # running (a zombie waits for its reaper, but has ended)
+        out = []
+        for p in pids:
+            try:
+                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(p)
+            except OSError:
+                pass
+        return out
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+    while time.monotonic() < deadline and alive():
         time.sleep(0.1)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
-             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    assert not alive, alive
+    assert not alive(), alive()
 
 
 def test_checkers_started_in_a_thread_that_ended(prepared, tmp_path):

@@ -93,7 +93,8 @@ def _light(files: list, tensors: list[SourceTensor]) -> bool:
     or given importance weights in some file, in a tensor of at least
     ``CPU_PARALLEL_ELEMENTS`` (smaller ones are quantized on one thread anyway). Then the
     writer on the CPU leaves the checker processes their cores; else its codecs keep every
-    core and the checks share them. Quantize+write on two cores (scripts/bench_gguf.py):
+    core and the checks share them. Quantize+write on this project's two cores (the
+    commands of scripts/bench_gguf.py, the choice forced either way by hand):
     SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.1-2.3 s with
     one codec thread, 2.8-2.9 s with two; with its imatrix (weighted, but every weighted
     tensor under 2^20 weights) 5.4 s and 6.2-6.4 s; the 554M random llama's (Q4_K and Q6_K)

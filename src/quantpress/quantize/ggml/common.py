@@ -201,7 +201,8 @@ CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 # Most threads a codec call deals its slices to: every op's dispatch holds the GIL, so past a
 # few threads they wait on each other more than they work. Q4_K of 16384 x 4096 on the
 # 16-core Intel Xeon of an H200 box took 9.8 / 5.3 / 4.6 / 3.9 / 5.3 / 6.5 / 7.3 s on
-# 1 / 2 / 3 / 4 / 6 / 8 / 15 threads (scripts/micro_figures.py --threads 1,2,3,4,6,8,15).
+# 1 / 2 / 3 / 4 / 6 / 8 / 15 threads (the sweep of scripts/micro_figures.py --threads
+# 1,2,3,4,6,8,15, timed by the same code before it became that option).
 CPU_CODEC_THREADS = 4
 
 

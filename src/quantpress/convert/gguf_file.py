@@ -100,11 +100,9 @@ def _light(files: list, tensors: list[SourceTensor]) -> bool:
     tensor under 2^20 weights) 5.4 s and 6.2-6.4 s; the 554M random llama's (Q4_K and Q6_K)
     27.0 s with one, 22.1 s with two. Deciding tensor by tensor, on whether the checker was
     busy, gave 2.6-3.0 s and 24.3-24.8 s."""
-    heavy = 0
-    for st in tensors:
-        if st.numel >= CPU_PARALLEL_ELEMENTS and any(
-                f[2][st.name] not in LIGHT_TYPES or (len(f) > 3 and f[3] and st.name in f[3]) for f in files):
-            heavy += st.numel
+    plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
+    heavy = sum(st.numel for st in tensors if st.numel >= CPU_PARALLEL_ELEMENTS and any(
+        types[st.name] not in LIGHT_TYPES or st.name in imatrix for types, imatrix in plans))
     return 2 * heavy <= sum(st.numel for st in tensors)
 
 

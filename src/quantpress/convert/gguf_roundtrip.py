@@ -389,13 +389,13 @@ VERIFY_WORKERS = 8
 #: feed-forward matrices each). Each checker process has one: shared memory that it and this
 #: process map (inherited when it is forked), through which the writer hands it its source
 #: tensors: one copy into pages the checker touched at its start, not a new shared-memory
-#: segment per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up). It is
-#: also the backlog: the writer waits while no checker's area can hold the next source.
-#: Checks cost unlike their quantization, and a checker's first check waits for its parse of
-#: the file (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 3.1 s
-#: when the writer waited at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at
-#: 2^26 (128 MiB in float16: its 28M-element embedding and what is quantized during the
-#: parse). A larger source goes alone, in shared memory of its own, at most one per checker
+#: segment per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up, timed
+#: by hand). It is also the backlog: the writer waits while no checker's area can hold the
+#: next source. Checks cost unlike their quantization, and a checker's first check waits for
+#: its parse of the file (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores
+#: (timed by hand, `convert hf-to-gguf` with the limit changed) took 3.1 s when the writer
+#: waited at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in
+#: float16: its 28M-element embedding and what is quantized during the parse). A larger source goes alone, in shared memory of its own, at most one per checker
 #: at a time. (An area shared by several checkers would free its room in order, so a slow
 #: check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
@@ -409,7 +409,7 @@ def checkers_for(device: torch.device) -> int:
     codecs use the other cores), else up to :data:`VERIFY_WORKERS` of the idle cores (all
     but one), since gguf-py's dequantization runs on the CPU and would hold back a GPU's
     writing."""
-    return 1 if device.type == "cpu" else max(1, min(VERIFY_WORKERS, (os.cpu_count() or 2) - 1))
+    return 1 if device.type == "cpu" else min(VERIFY_WORKERS, checker_limit())
 
 
 def checker_limit() -> int:
@@ -481,17 +481,15 @@ class _Staging:
 def _staged(staging: _Staging, where: tuple) -> torch.Tensor:
     # a view of the source a request names in the staging area: (start, dtype, shape)
     start, dtype, shape = where
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = math.prod(shape) * itemsize
-    return staging.bytes[start:start + n].view(dtype).view(shape)
+    return staging.bytes[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None = None) -> None:
     """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
     (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``: where it
-    lies in ``staging``, which the process first touches through) and ``("close", key)`` (forget the file,
-    unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
+    lies in ``staging``, which the process touches once at its start so that its pages
+    exist) and ``("close", key)`` (forget the file, unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
     found, spans, error, pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and
     mismatches, whether the tensor was in the file, the check's (t0, t1) span in
     ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
@@ -565,8 +563,8 @@ class _Checker:
 
 
 class CheckerProcesses:
-    """Checker processes (forked, one torch thread each, killed with this process) shared by
-    every :class:`RoundTripProcessWatch` of this process. Forked, not spawned: a checker
+    """Checker processes (forked, one torch thread each, ending when this process closes their
+    pipes or dies) shared by every :class:`RoundTripProcessWatch` of this process. Forked, not spawned: a checker
     starts at once as a copy of this process (nothing to import, nothing of the caller's
     main module to run again) and uses no GPU; they are forked early, when a GGUF target is
     prepared (:func:`start_checkers`), and kept. Each check goes to the watch's checker
@@ -772,9 +770,9 @@ class RoundTripProcessWatch:
     """:class:`RoundTripWatch`'s checks (the same interface, the same checks of
     :func:`verify_gguf`, the same :class:`RoundTrip`) run in ``workers`` checker processes of
     ``pool`` (:class:`CheckerProcesses`) instead of threads: they neither hold back the
-    quantization in this process nor each other. Each process parses the file at its first
-    check. :meth:`written` moves the source tensor into shared memory (one copy) and hands it
-    over; our dequantization runs on the checker's CPU, whatever the writer's device (the
+    quantization in this process nor each other. Each process parses the file as soon as it
+    is announced (:meth:`start`). :meth:`written` copies the source tensor into a checker's
+    staging area (:data:`STAGING_BYTES`) and hands it over; our dequantization runs on the checker's CPU, whatever the writer's device (the
     codecs' bytes and values are the same on every device: ``scripts/gpu_checks.py``).
     ``seconds``: the wall time during which any checker was checking this file."""
 
@@ -790,7 +788,7 @@ class RoundTripProcessWatch:
         self._pids: set[int] = set()
 
     def start(self) -> None:
-        """Announce the file to the checkers (they parse it at their first check)."""
+        """Announce the file to the checkers (each parses it at once)."""
         self.checkers = self.pool.open(self, self.workers)
 
     def written(self, index: int, source: torch.Tensor) -> None:

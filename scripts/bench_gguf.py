@@ -253,9 +253,14 @@ NO_ROUND_TRIP = """
 import sys, time, torch
 from pathlib import Path
 from quantpress.convert import gguf_file
+from quantpress.quantize.ggml.processes import start_codec_processes
+from quantpress.runtime import bound_heap
 from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
 src, policy, dev, out, im = sys.argv[1:6]
 dev = torch.device(dev)
+bound_heap()                        # as GGUFTarget.prepare
+if dev.type == "cpu":
+    start_codec_processes()
 plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
 for run in range(2):
     t0 = time.perf_counter()

@@ -29,6 +29,10 @@ With ``--threads 1,2,4,8`` only the codecs' thread cap (``quantize.ggml.common.C
 Q4_K of 16384 x 4096 weights (67 M) on each thread count, one run each (run it on a many-core
 machine: the figures in the constant's comment come from a 16-core Xeon).
 
+With ``--lanes 1,2`` only the codec processes (``quantize.ggml.processes``): Q4_K of 65536 x 256
+(16.8 M weights) on the calling thread alone, then on n lanes as threads of the codec pool and
+as codec processes: wall and CPU seconds.
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -159,6 +164,55 @@ def codec_thread_sweep(counts: list[int]) -> None:
             t0 = time.perf_counter()
             ggml.quantize(x, "Q4_K")
             print(f"Q4_K of 16384 x 4096 on {n} threads: {time.perf_counter() - t0:.2f} s", flush=True)
+    finally:
+        common.CPU_CODEC_THREADS = saved
+        torch.set_num_threads(before)
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    # user + system seconds of this process and of the live processes ``pids`` (from /proc)
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    total = r.ru_utime + r.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def codec_lanes(counts: list[int]) -> None:
+    """Q4_K of 65536 x 256 (16.8 M weights) on ``counts`` lanes: the calling thread and n - 1
+    threads of the codec pool, then the calling thread and n - 1 codec processes
+    (``quantize.ggml.processes``); wall and CPU seconds (the processes' included), best of 3,
+    with glibc's heap as a GGUF target sets it (``runtime.bound_heap``)."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import common, processes
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    x = torch.randn(65536, 256, generator=torch.Generator().manual_seed(0))
+    saved, before = common.CPU_CODEC_THREADS, torch.get_num_threads()
+    try:
+        common.CPU_CODEC_THREADS = max(counts)
+        for n in counts:
+            torch.set_num_threads(n)
+            for how in ("threads", "processes"):
+                if how == "processes":
+                    processes.start_codec_processes(n - 1)
+                pids = processes.codec_process_ids()
+                ggml.quantize(x[:8192], "Q4_K")
+                best = None
+                for _ in range(3):
+                    c0, t0 = _cpu_seconds(pids), time.perf_counter()
+                    ggml.quantize(x, "Q4_K")
+                    run = (time.perf_counter() - t0, _cpu_seconds(pids) - c0)
+                    best = run if best is None or run[0] < best[0] else best
+                processes.close_codec_processes()
+                print(f"Q4_K of 65536 x 256 on {n} lane(s), {how:9s}: {best[0]:.2f} s wall, "
+                      f"{best[1]:.2f} s CPU", flush=True)
+                if n == 1:
+                    break
     finally:
         common.CPU_CODEC_THREADS = saved
         torch.set_num_threads(before)
@@ -324,6 +378,8 @@ def main() -> int:
                     "form's figures (30: all)")
     ap.add_argument("--cuda", action="store_true", help="only the GPU figure (ggml chunk size on CUDA)")
     ap.add_argument("--threads", help="only the codec thread sweep, on these thread counts (e.g. 1,2,4,8)")
+    ap.add_argument("--lanes", help="only the codec lanes (threads against processes), on these "
+                    "lane counts (e.g. 1,2)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
@@ -331,6 +387,9 @@ def main() -> int:
         return 0
     if args.threads:
         codec_thread_sweep([int(n) for n in args.threads.split(",")])
+        return 0
+    if args.lanes:
+        codec_lanes([int(n) for n in args.lanes.split(",")])
         return 0
     snr_floor()
     codec_threads()

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import CPU_PARALLEL_ELEMENTS, intra_op_threads
 from quantpress.errors import InputError
+from quantpress.runtime import trim_heap
 
 from .gguf_roundtrip import RoundTrip, SourceTensor, cores_taken, watch_round_trip
 from .hf import check_finite
@@ -217,6 +218,7 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                         watch.written(index, t)
             raws.clear()
             window.clear()
+            trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
 
         size, limit = 0, _window_elements(device)
         for index, st in enumerate(progress(tensors)):

@@ -37,6 +37,8 @@ from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
+from quantpress.quantize.ggml.processes import start_codec_processes
+from quantpress.runtime import bound_heap
 from quantpress.targets.base import Run, Summary, Target
 
 #: ggml types of an input GGUF that ``quantize gguf`` accepts
@@ -292,6 +294,9 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):
             self.device = self.source.device
+            bound_heap()                    # before the processes are forked: they inherit it
+            if self.device.type == "cpu":
+                start_codec_processes()     # the K-quants' slices beside this thread's
             start_checkers(self.device)     # the round trip's processes start while the plan is made
             p, o = self.source.path, self.options
             self.plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import processes
+
 
 def nearest_int(x: torch.Tensor) -> torch.Tensor:
     """ggml ``nearest_int`` exactly: float32 ``x + 12582912.0f`` reinterpreted as int32,
@@ -199,7 +201,8 @@ CPU_SLICE_ELEMENTS = 1 << 19
 CPU_PARALLEL_ELEMENTS = 1 << 20
 CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 # Most threads a codec call deals its slices to: every op's dispatch holds the GIL, so past a
-# few threads they wait on each other more than they work. Q4_K of 16384 x 4096 on the
+# few threads they wait on each other more than they work (the codec processes of
+# quantize.ggml.processes, where started, have no such cap). Q4_K of 16384 x 4096 on the
 # 16-core Intel Xeon of an H200 box took 9.8 / 5.3 / 4.6 / 3.9 / 5.3 / 6.5 / 7.3 s on
 # 1 / 2 / 3 / 4 / 6 / 8 / 15 threads (the sweep of scripts/micro_figures.py --threads
 # 1,2,3,4,6,8,15, timed by the same code before it became that option).
@@ -301,8 +304,11 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     and, from :data:`CPU_PARALLEL_ELEMENTS` elements up, the slices are dealt round-robin to as
     many threads as torch had intra-op threads: the calling thread and the threads of one
     persistent pool (torch releases the GIL inside ops), at most :data:`CPU_CODEC_THREADS`; ``search``: ``fn`` is a search-based
-    codec, shared out from :data:`CPU_PARALLEL_ELEMENTS_SEARCH`. A call made from a pool thread
-    runs its slices itself. torch's thread setting is restored on return.
+    codec, shared out from :data:`CPU_PARALLEL_ELEMENTS_SEARCH`, and where this process started
+    codec processes (:mod:`quantize.ggml.processes`, free of the GIL) its slices go to the
+    calling thread and up to one process less than torch's thread count instead. A call made
+    from a pool thread runs its slices itself. torch's thread setting is restored on return.
+    Raises what ``fn`` raises; RuntimeError when a codec process dies during the call.
     """
     if x.device.type != "cpu":
         return fn(x, *more)
@@ -316,7 +322,13 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
         per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice
         least = CPU_PARALLEL_ELEMENTS_SEARCH if search else CPU_PARALLEL_ELEMENTS
         workers = min(threads, CPU_CODEC_THREADS, max(2, -(-nb // per)) if nb * k >= least else 1)
-        if workers < 2 or getattr(_pool_local, "worker", False):
+        outs = None
+        if search and workers >= 2 and not getattr(_pool_local, "worker", False):
+            # the codec processes (when started), one lane per thread torch had; None: threads
+            outs = processes.map_slices(fn, part, nb, per, threads, x, more)
+        if outs is not None:
+            pass
+        elif workers < 2 or getattr(_pool_local, "worker", False):
             outs = [part(i, per) for i in range(0, nb, per)]
         else:
             # equal slices, as many per thread: the threads finish together

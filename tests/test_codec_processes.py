@@ -1,0 +1,201 @@
+"""quantize/ggml/processes.py: the search-based codecs' CPU slices dealt to forked codec
+processes beside the calling thread.
+
+* every K-quant and i-quant, with and without importance weights, gives the same bytes with
+  the workers as on one thread and as over the thread pool, and the workers did take slices;
+* a codec's exception in a worker is raised in the caller; a worker killed during a call
+  fails it with RuntimeError naming it, and the next call still quantizes;
+* a codec that the worker cannot find by name (a closure) runs over the threads;
+* ``quantize gguf`` writes the same bytes with and without the workers, which took slices;
+* a writer killed with SIGKILL leaves no codec process behind.
+
+CPU only; slices are made small (``CPU_SLICE_ELEMENTS``) so that small tensors have many.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from quantpress.quantize import ggml
+from quantpress.quantize.ggml import common, processes
+
+SEARCH_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+    """Three lanes (this thread and two workers), slices of 4,096 elements, sharing from any
+    size; the workers are ended afterwards."""
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    assert processes.start_codec_processes(2) == 2
+    taken = []
+    real = processes._run
+
+    def counting(fn, ref, part, pieces, *rest):
+        taken.append(len(pieces))
+        return real(fn, ref, part, pieces, *rest)
+    monkeypatch.setattr(processes, "_run", counting)
+    yield taken
+    torch.set_num_threads(before)
+    processes.close_codec_processes()
+
+
+def _blocks(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g) * 3
+    x[5] = 0.0                                   # an all-zero block
+    x[9, 17] = 1e4                               # a single huge weight
+    x[13] = 0.25                                 # all equal
+    return x
+
+
+def _one_thread(fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", SEARCH_TYPES)
+def test_workers_give_the_bytes_of_one_thread(name, lanes, monkeypatch):
+    x = _blocks(1)
+    qw = torch.rand(256, generator=torch.Generator().manual_seed(2)) + 0.01
+    qw[:7] = 0.0
+    for imatrix in (None, qw):
+        lanes.clear()
+        with_workers = ggml.quantize(x, name, imatrix=imatrix)
+        assert lanes and lanes[0] >= 3, lanes              # the call went to the workers
+        alone = _one_thread(lambda: ggml.quantize(x, name, imatrix=imatrix))
+        with monkeypatch.context() as m:
+            m.setattr(processes, "map_slices", lambda *a: None)    # as where none were started
+            threads = ggml.quantize(x, name, imatrix=imatrix)
+        assert torch.equal(with_workers, alone) and torch.equal(threads, alone), (name, imatrix is None)
+
+
+def failing_codec(x: torch.Tensor) -> torch.Tensor:
+    """A block codec that fails on a slice whose first value is exactly 7 (module level: a
+    worker finds it by name)."""
+    if float(x[0, 0]) == 7.0:
+        raise ValueError("slice starting with 7")
+    return (x * 2).to(torch.float32)
+
+
+def sleeping_codec(x: torch.Tensor) -> torch.Tensor:
+    """A block codec that takes 0.2 s per slice."""
+    time.sleep(0.2)
+    return x + 1
+
+
+def test_a_codec_error_in_a_worker_is_raised_here(lanes):
+    x = torch.ones(64, 256)
+    x[16, 0] = 7.0              # slices of 16 rows: this thread takes the last, the workers the first two
+    with pytest.raises(ValueError, match="slice starting with 7"):
+        common.map_block_slices(failing_codec, x, search=True)
+    x[16, 0] = 1.0
+    assert torch.equal(common.map_block_slices(failing_codec, x, search=True), x * 2)
+
+
+def test_a_worker_killed_during_a_call_fails_it(lanes):
+    x = torch.zeros(128, 256)       # 8 slices of 0.2 s: each worker has two waiting at the start
+    pids = processes.codec_process_ids()
+    assert len(pids) == 2
+
+    def kill_soon():
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)
+    import threading
+    threading.Thread(target=kill_soon).start()
+    with pytest.raises(RuntimeError, match=r"codec process quantpress-codec-\d died"):
+        common.map_block_slices(sleeping_codec, x, search=True)
+    assert pids[0] not in processes.codec_process_ids()
+    y = _blocks(3)
+    assert torch.equal(ggml.quantize(y, "Q4_K"), _one_thread(lambda: ggml.quantize(y, "Q4_K")))
+
+
+def test_a_closure_runs_over_the_threads(lanes):
+    x = _blocks(4)
+    scale = 3.0
+
+    def closure(b):
+        return b * scale
+    out = common.map_block_slices(closure, x, search=True)
+    assert torch.equal(out, x * 3.0) and not lanes
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_quantize_gguf_writes_the_same_bytes_with_the_workers(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from quantpress.cli.convert_main import main as convert_main
+    from quantpress.convert import gguf_file
+
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 15)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
+    monkeypatch.setattr(gguf_file, "_light", lambda files, tensors: False)
+    taken = []
+    real = processes._run
+
+    def counting(fn, ref, part, pieces, *rest):
+        taken.append(len(pieces))
+        return real(fn, ref, part, pieces, *rest)
+    monkeypatch.setattr(processes, "_run", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = {}
+        for use in (True, False):
+            taken.clear()
+            monkeypatch.setattr(processes, "USE_PROCESSES", use)
+            if not use:
+                processes.close_codec_processes()
+            out = tmp_path / f"{use}.gguf"
+            code = convert_main(["hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M", "-o", str(out), "--quiet"])
+            assert code == 0, capsys.readouterr().err
+            outs[use] = _sha(out)
+            assert bool(taken) == use, taken
+    finally:
+        torch.set_num_threads(before)
+        processes.close_codec_processes()
+    assert outs[True] == outs[False]
+
+
+def test_codec_processes_end_with_a_killed_writer():
+    """A writer killed (SIGKILL) leaves neither codec nor checker processes: the codec
+    workers are forked first, as a GGUF target does, and each child closes the others'
+    pipe ends it inherits."""
+    code = ("import os, signal\n"
+            "from quantpress.quantize.ggml import processes\n"
+            "from quantpress.convert import gguf_roundtrip as r\n"
+            "processes.start_codec_processes(2)\n"
+            "print(*processes.codec_process_ids(), *r.checker_processes(2).pids(), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 4 and out.returncode == -signal.SIGKILL, out
+
+    def alive() -> list[int]:   # running (a zombie has ended)
+        running = []
+        for p in pids:
+            try:
+                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.append(p)
+            except OSError:
+                pass
+        return running
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.1)
+    assert not alive(), alive()

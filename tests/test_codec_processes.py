@@ -144,7 +144,7 @@ def test_quantize_gguf_writes_the_same_bytes_with_the_workers(tiny_llama_dir, tm
 
     monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 15)
     monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
-    monkeypatch.setattr(gguf_file, "_light", lambda files, tensors: False)
+    monkeypatch.setattr(gguf_file, "codecs_leave_a_core", lambda files, tensors: False)
     taken = []
     real = processes._run
 
@@ -173,14 +173,18 @@ def test_quantize_gguf_writes_the_same_bytes_with_the_workers(tiny_llama_dir, tm
 
 
 def test_codec_processes_end_with_a_killed_writer():
-    """A writer killed (SIGKILL) leaves neither codec nor checker processes: the codec
-    workers are forked first, as a GGUF target does, and each child closes the others'
-    pipe ends it inherits."""
+    """A writer killed (SIGKILL) leaves neither codec nor checker processes, whichever were
+    forked first (a GGUF target starts the checkers, then the codec processes once its plan
+    is made; the next target may need new checkers): each child closes its siblings' pipe
+    ends that it inherits (a checker also the codec processes'), and a codec process forked
+    after a checker ends with the writer, closing its copy of the checker's end."""
     code = ("import os, signal\n"
             "from quantpress.quantize.ggml import processes\n"
             "from quantpress.convert import gguf_roundtrip as r\n"
+            "c = r.checker_processes(1).pids()\n"
             "processes.start_codec_processes(2)\n"
-            "print(*processes.codec_process_ids(), *r.checker_processes(2).pids(), flush=True)\n"
+            "c += r.checker_processes(2).pids()[1:]\n"
+            "print(*processes.codec_process_ids(), *c, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     pids = [int(p) for p in out.stdout.split()]

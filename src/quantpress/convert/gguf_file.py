@@ -84,23 +84,25 @@ GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor
 WINDOW_ELEMENTS = 1 << 27
 #: ggml types whose quantization without importance weights costs about what its round-trip
 #: check costs, or less (no scale search); the others (K-quants, i-quants, any type with an
-#: imatrix) cost several times their check (:func:`_light`)
+#: imatrix) cost several times their check (:func:`codecs_leave_a_core`)
 LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 
 
-def _light(files: list, tensors: list[SourceTensor]) -> bool:
+def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     """Whether at most half of the weights (by count) are in tensors whose quantization costs
-    several times their check and is shared over threads: a type not in :data:`LIGHT_TYPES`
-    or given importance weights in some file, in a tensor of at least
-    ``CPU_PARALLEL_ELEMENTS`` (smaller ones are quantized on one thread anyway). Then the
-    writer on the CPU leaves the checker processes their cores; else its codecs keep every
-    core and the checks share them. Quantize+write on this project's two cores (the
-    commands of scripts/bench_gguf.py, the choice forced either way by hand):
-    SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.1-2.3 s with
-    one codec thread, 2.8-2.9 s with two; with its imatrix (weighted, but every weighted
-    tensor under 2^20 weights) 5.4 s and 6.2-6.4 s; the 554M random llama's (Q4_K and Q6_K)
-    27.0 s with one, 22.1 s with two. Deciding tensor by tensor, on whether the checker was
-    busy, gave 2.6-3.0 s and 24.3-24.8 s."""
+    several times their check and is shared over the CPU's lanes: a type not in
+    :data:`LIGHT_TYPES` or given importance weights in some file, in a tensor of at least
+    ``CPU_PARALLEL_ELEMENTS``. Then the writer on the CPU leaves the checker processes their
+    cores (its codecs run on the calling thread alone, and no codec process is needed);
+    else its codecs keep every core (over the codec processes, where started) and the checks
+    share them. ``files`` as :func:`write_gguf_many`'s (the paths are not used).
+    Quantize+write on this project's two cores with the codec processes (`quantize gguf` on
+    llama.cpp's F16 files, the choice forced either way by hand): SmolLM2's Q4_K_M (mostly
+    Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.0-2.2 s leaving the core, 2.6-2.9 s
+    on both; with its imatrix (weighted, but every weighted tensor under 2^20 weights)
+    5.0-5.1 s and 5.0-5.3 s; the 554M random llama's (Q4_K and Q6_K) 24.7 s leaving it,
+    18.2 s on both. (Deciding tensor by tensor, on whether the checker was busy, gave
+    2.6-3.0 s and 24.3-24.8 s with threads.)"""
     plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
     heavy = sum(st.numel for st in tensors if st.numel >= CPU_PARALLEL_ELEMENTS and any(
         types[st.name] not in LIGHT_TYPES or st.name in imatrix for types, imatrix in plans))
@@ -187,7 +189,7 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 closing.callback(watch.stop)
                 watch.start()
                 watches.append(watch)
-        if device.type == "cpu" and watches and _light(files, tensors):
+        if device.type == "cpu" and watches and codecs_leave_a_core(files, tensors):
             # the codecs leave the checker processes their cores
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         window: list[tuple[int, torch.Tensor]] = []     # tensors read, not yet written

@@ -30,6 +30,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
+from quantpress.convert import gguf_file
 from quantpress.convert.gguf_file import write_gguf_many
 from quantpress.convert.gguf_roundtrip import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
                                                start_checkers)
@@ -294,12 +295,13 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):
             self.device = self.source.device
-            bound_heap()                    # before the processes are forked: they inherit it
-            if self.device.type == "cpu":
-                start_codec_processes()     # the K-quants' slices beside this thread's
+            bound_heap()                    # before the checkers are forked: they inherit it
             start_checkers(self.device)     # the round trip's processes start while the plan is made
             p, o = self.source.path, self.options
-            self.plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
+            self.plan = plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
+            if self.device.type == "cpu" and not gguf_file.codecs_leave_a_core(
+                    [(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors):
+                start_codec_processes()     # the search codecs' slices beside this thread's
 
     def write(self, tmp: Path, run: Run) -> None:
         self.write_together([self], [tmp], [run])

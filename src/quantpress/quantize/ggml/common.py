@@ -322,15 +322,12 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
         per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice
         least = CPU_PARALLEL_ELEMENTS_SEARCH if search else CPU_PARALLEL_ELEMENTS
         workers = min(threads, CPU_CODEC_THREADS, max(2, -(-nb // per)) if nb * k >= least else 1)
-        outs = None
-        if search and workers >= 2 and not getattr(_pool_local, "worker", False):
-            # the codec processes (when started), one lane per thread torch had; None: threads
-            outs = processes.map_slices(fn, part, nb, per, threads, x, more)
-        if outs is not None:
-            pass
-        elif workers < 2 or getattr(_pool_local, "worker", False):
+        alone = workers < 2 or getattr(_pool_local, "worker", False)
+        # the codec processes (when started), one lane per thread torch had; None: threads
+        outs = None if alone or not search else processes.map_slices(fn, part, nb, per, threads, x, more)
+        if outs is None and alone:
             outs = [part(i, per) for i in range(0, nb, per)]
-        else:
+        elif outs is None:
             # equal slices, as many per thread: the threads finish together
             n = workers * -(-nb // (per * workers))
             step = -(-nb // n)

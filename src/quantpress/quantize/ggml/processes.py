@@ -4,7 +4,8 @@
 The codecs are thousands of small torch ops per slice, and each op's dispatch holds the GIL:
 two threads of one process quantized Q4_K of 16.8 M weights in 0.52 s against 0.75 s on one
 (1.44x, with 21% more CPU time), the calling thread and one codec process in 0.40 s (1.88x;
-2-core AMD EPYC, ``scripts/micro_figures.py --lanes 1,2``). :func:`start_codec_processes` forks the workers (a GGUF
+2-core AMD EPYC, ``scripts/micro_figures.py --lanes 1,2``; 0.59 s and 0.53 s in a later run,
+when the host's second core was slower). :func:`start_codec_processes` forks the workers (a GGUF
 target calls it when prepared, while the process is still small); :func:`map_slices` then
 deals a codec's slices to the calling thread, which takes them from the end of the tensor,
 and to the workers, which a feeder thread serves from the front as their answers come. Each
@@ -43,9 +44,6 @@ USE_PROCESSES = True
 AREA_BYTES = 32 << 20
 #: most workers started
 MAX_WORKERS = 15
-#: the fewest elements in a slice cut smaller to give every lane work (slices of 2^16 to 2^19
-#: elements quantize Q4_K at about the same speed per element in a process of their own)
-MIN_SLICE_ELEMENTS = 1 << 16
 
 
 class _Worker:
@@ -193,22 +191,17 @@ def map_slices(fn, part, nb: int, per: int, lanes: int, x: torch.Tensor,
                more: tuple) -> list[torch.Tensor] | None:
     """Run a block codec over the ``nb`` rows of ``x`` in slices, on the calling thread and up
     to ``lanes - 1`` codec workers: a slice of ``n`` rows from row ``s`` is
-    ``fn(x[s:s + n], *more sliced alike)`` (``part(s, n)`` computes it here). Slices have
-    ``per`` rows, fewer for a tensor of less than two slices per lane (down to
-    :data:`MIN_SLICE_ELEMENTS`), so that small tensors too keep every lane busy. Returns the
-    results in row order, or None when the call cannot go to workers (none started by this
-    process, another thread using them, ``fn`` not findable by name, or a slice that does not
-    fit a slot): the caller then shares the slices out itself. Raises what ``fn`` raised (in a
+    ``fn(x[s:s + n], *more sliced alike)`` (``part(s, n)`` computes it here), with ``per``
+    rows (the last may have fewer). Returns the results in row order, or None when the call
+    cannot go to workers (none started by this process, one slice only, another thread using
+    them, ``fn`` not findable by name, or a slice that does not fit a slot): the caller then
+    shares the slices out itself. Raises what ``fn`` raised (in a
     worker too), RuntimeError when a worker dies."""
     if not _workers or _owner[0] != os.getpid() or lanes < 2:
         return None
     ref = _reference(fn)
     if ref is None:
         return None
-    k = max(1, x.numel() // max(1, nb))
-    lanes = min(lanes, 1 + len(_workers))
-    if -(-nb // per) < 2 * lanes:
-        per = max(1, min(per, max(MIN_SLICE_ELEMENTS // k, -(-nb // (2 * lanes)))))
     if nb <= per:
         return None
     tensors = [x] + [m for m in more if isinstance(m, torch.Tensor)]

@@ -16,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
-import sys
 import time
 
+import procs
 import pytest
 import torch
 
@@ -27,6 +26,18 @@ from quantpress.quantize import ggml
 from quantpress.quantize.ggml import common, processes
 
 SEARCH_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    """The number of slices of each codec call that goes to the codec processes, as calls come."""
+    taken = []
+    real = processes._run
+
+    def counting(fn, ref, part, pieces, *rest):
+        taken.append(len(pieces))
+        return real(fn, ref, part, pieces, *rest)
+    monkeypatch.setattr(processes, "_run", counting)
+    return taken
 
 
 @pytest.fixture
@@ -38,14 +49,7 @@ def lanes(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     assert processes.start_codec_processes(2) == 2
-    taken = []
-    real = processes._run
-
-    def counting(fn, ref, part, pieces, *rest):
-        taken.append(len(pieces))
-        return real(fn, ref, part, pieces, *rest)
-    monkeypatch.setattr(processes, "_run", counting)
-    yield taken
+    yield _count_calls(monkeypatch)
     torch.set_num_threads(before)
     processes.close_codec_processes()
 
@@ -145,13 +149,7 @@ def test_quantize_gguf_writes_the_same_bytes_with_the_workers(tiny_llama_dir, tm
     monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 15)
     monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
     monkeypatch.setattr(gguf_file, "codecs_leave_a_core", lambda files, tensors: False)
-    taken = []
-    real = processes._run
-
-    def counting(fn, ref, part, pieces, *rest):
-        taken.append(len(pieces))
-        return real(fn, ref, part, pieces, *rest)
-    monkeypatch.setattr(processes, "_run", counting)
+    taken = _count_calls(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -186,20 +184,4 @@ def test_codec_processes_end_with_a_killed_writer():
             "c += r.checker_processes(2).pids()[1:]\n"
             "print(*processes.codec_process_ids(), *c, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 4 and out.returncode == -signal.SIGKILL, out
-
-    def alive() -> list[int]:   # running (a zombie has ended)
-        running = []
-        for p in pids:
-            try:
-                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                    running.append(p)
-            except OSError:
-                pass
-        return running
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and alive():
-        time.sleep(0.1)
-    assert not alive(), alive()
+    assert not procs.left_by_killed_writer(code, 4)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import make
+import procs
 from quantpress.convert import gguf_file, gguf_roundtrip
 from quantpress.convert.gguf_roundtrip import SourceTensor
 from quantpress.errors import InputError
@@ -309,31 +310,11 @@ def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch
 def test_checkers_end_with_a_killed_writer(tmp_path):
     """A writer killed (SIGKILL, no exit handlers) leaves no checker process behind: each
     checker holds only its own end of its pipe, which the writer's death closes."""
-    import subprocess
-    import sys
-    import time
-
     code = ("import os, signal\n"
             "from quantpress.convert import gguf_roundtrip as r\n"
             "print(*r.checker_processes(3).pids(), flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 3 and out.returncode == -signal.SIGKILL, out
-
-    def alive() -> list[int]:   # running (a zombie waits for its reaper, but has ended)
-        out = []
-        for p in pids:
-            try:
-                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(p)
-            except OSError:
-                pass
-        return out
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and alive():
-        time.sleep(0.1)
-    assert not alive(), alive()
+    assert not procs.left_by_killed_writer(code, 3)
 
 
 def test_checkers_started_in_a_thread_that_ended(prepared, tmp_path):

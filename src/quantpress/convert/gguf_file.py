@@ -157,7 +157,7 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     """
     if not files:
         raise ValueError("write_gguf_many: no files to write")
-    watches: list[RoundTripWatch] = []
+    watches: list = []      # round-trip watches (threads or checker processes)
     with contextlib.ExitStack() as closing:
         writers = []
         for path, kvs, types, *rest in files:

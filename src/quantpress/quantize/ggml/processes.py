@@ -6,7 +6,7 @@ two threads of one process quantized Q4_K of 16.8 M weights in 0.52 s against 0.
 (1.44x, with 21% more CPU time), the calling thread and one codec process in 0.40 s (1.88x;
 2-core AMD EPYC, ``scripts/micro_figures.py --lanes 1,2``; 0.59 s and 0.53 s in a later run,
 when the host's second core was slower). :func:`start_codec_processes` forks the workers (a GGUF
-target calls it when prepared, while the process is still small); :func:`map_slices` then
+target calls it once its plan is made, where its codecs keep every core); :func:`map_slices` then
 deals a codec's slices to the calling thread, which takes them from the end of the tensor,
 and to the workers, which a feeder thread serves from the front as their answers come. Each
 worker has a shared area (an anonymous ``MAP_SHARED`` mapping made, and its pages touched,

@@ -88,6 +88,31 @@ def test_workers_give_the_bytes_of_one_thread(name, lanes, monkeypatch):
         assert torch.equal(with_workers, alone) and torch.equal(threads, alone), (name, imatrix is None)
 
 
+def test_workers_slow_to_start(monkeypatch):
+    """Workers that wait a second before touching their shared areas (as processes left
+    unscheduled on a busy machine): nothing is copied into an area before its worker says
+    it is ready (touching it afterwards would zero the slices), so the bytes stay right."""
+    real = processes._serve
+
+    def slow(*args):
+        time.sleep(1.0)
+        real(*args)
+    monkeypatch.setattr(processes, "_serve", slow)
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert processes.start_codec_processes(2) == 2
+        taken = _count_calls(monkeypatch)
+        x = _blocks(5)
+        out = ggml.quantize(x, "Q4_K")
+        assert taken and torch.equal(out, _one_thread(lambda: ggml.quantize(x, "Q4_K")))
+    finally:
+        torch.set_num_threads(before)
+        processes.close_codec_processes()
+
+
 def failing_codec(x: torch.Tensor) -> torch.Tensor:
     """A block codec that fails on a slice whose first value is exactly 7 (module level: a
     worker finds it by name)."""

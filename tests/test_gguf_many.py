@@ -307,6 +307,29 @@ def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch
     assert reports[True] == reports[False]
 
 
+def test_checkers_slow_to_start(prepared, tmp_path, monkeypatch):
+    """Checkers forked right before a file is written and slow to start (one second before
+    they touch their staging areas, as a process left unscheduled on a busy machine): the
+    writer's first copies wait until a checker has touched its area (touching it afterwards
+    would zero them, and the checks would fail on zeros)."""
+    import time
+
+    real = gguf_roundtrip._serve_checks
+
+    def slow(*args):
+        time.sleep(1.0)
+        real(*args)
+    monkeypatch.setattr(gguf_roundtrip, "_serve_checks", slow)
+    gguf_roundtrip.close_checkers()
+    try:
+        targets = _fresh(prepared, ["Q8_0"])
+        GGUFTarget.write_together(targets, [tmp_path / "o.gguf"], [Run(progress=False)])
+        assert targets[0].roundtrip.ok, targets[0].roundtrip.mismatches
+        assert targets[0].roundtrip.checker_processes == 1
+    finally:
+        gguf_roundtrip.close_checkers()
+
+
 def test_checkers_end_with_a_killed_writer(tmp_path):
     """A writer killed (SIGKILL, no exit handlers) leaves no checker process behind: each
     checker holds only its own end of its pipe, which the writer's death closes."""

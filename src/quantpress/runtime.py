@@ -1,6 +1,7 @@
 """Process-level settings every layer shares: the compute device and dtype by name, the
 rows of one forward batch, glibc's heap (mmap threshold, trimming), and what a worker
-process needs (dying with its parent, sending its errors back).
+process needs (dying with its parent, sending its errors back, a memory area shared with
+the process that forks it).
 
 Nothing here imports any other part of quantpress but :mod:`quantpress.errors`.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
 import os
 import pickle
 import re
@@ -203,3 +206,36 @@ def sendable(e: BaseException) -> BaseException:
         return e
     except Exception:  # noqa: BLE001 - any unpicklable exception
         return RuntimeError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+
+class SharedArea:
+    """An anonymous ``MAP_SHARED`` mapping of ``nbytes`` that a process forked after its
+    creation shares with the creator (the forked workers of the GGUF round trip and of the
+    codecs), with ``bytes``, a uint8 tensor over it, and :meth:`view`.
+
+    A forked worker calls :meth:`touch` before it answers anything, so that the area's pages
+    exist before the creator copies into them; the creator must not write into the area
+    before that first answer (the worker's touch would zero what it wrote: a worker slow to
+    start, such as one left unscheduled on a busy machine, made the round trip fail on
+    zeros, tests/test_gguf_many.py)."""
+
+    def __init__(self, nbytes: int):
+        self.size = nbytes
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def touch(self) -> None:
+        """Fault in every page (zero-filling the area)."""
+        self.bytes.fill_(0)
+
+    def view(self, start: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """The tensor of ``dtype`` and ``shape`` lying at byte ``start`` of the area."""
+        return self.bytes[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unmap the area (left mapped while a view of it is still alive)."""
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass

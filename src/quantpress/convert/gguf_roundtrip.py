@@ -35,7 +35,7 @@ from quantpress.errors import InputError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
 from quantpress.quantize.ggml.processes import codec_process_ends
-from quantpress.runtime import sendable
+from quantpress.runtime import SharedArea, sendable
 
 
 @dataclass
@@ -434,15 +434,13 @@ def checker_processes_usable() -> bool:
     return USE_PROCESSES and not multiprocessing.current_process().daemon
 
 
-class _Staging:
-    """A checker's staging area (:data:`STAGING_BYTES`): an anonymous shared mapping, used as
-    a ring of byte ranges handed out in order and reclaimed from the oldest as their checks
-    are answered."""
+class _Staging(SharedArea):
+    """A checker's staging area (:data:`STAGING_BYTES`): a :class:`SharedArea` used as a ring
+    of byte ranges handed out in order and reclaimed from the oldest as their checks are
+    answered."""
 
     def __init__(self, nbytes: int):
-        self.size = nbytes
-        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        super().__init__(nbytes)
         self._live: collections.deque = collections.deque()    # [start, end, answered]
         self._head = 0
 
@@ -466,14 +464,6 @@ class _Staging:
         self._head = start + n
         return entry
 
-    def close(self) -> None:
-        """Unmap the area (left mapped while a view of it is still alive)."""
-        self.bytes = None
-        try:
-            self.map.close()
-        except BufferError:
-            pass
-
     def give_back(self, entry: list) -> None:
         """The check of ``entry``'s source was answered."""
         entry[2] = True
@@ -481,18 +471,12 @@ class _Staging:
             self._live.popleft()
 
 
-def _staged(staging: _Staging, where: tuple) -> torch.Tensor:
-    # a view of the source a request names in the staging area: (start, dtype, shape)
-    start, dtype, shape = where
-    return staging.bytes[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
 def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None = None) -> None:
     """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
     (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``: where it
-    lies in ``staging``, which the process touches once at its start so that its pages
-    exist) and ``("close", key)`` (forget the file, unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
+    lies in ``staging``, which the process touches at its start, then answering
+    ``("ready",)`` before anything else: the writer copies nothing into the area before) and ``("close", key)`` (forget the file, unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
     found, spans, error, pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and
     mismatches, whether the tensor was in the file, the check's (t0, t1) span in
     ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
@@ -506,7 +490,8 @@ def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None 
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     if staging is not None:
-        staging.bytes.fill_(0)          # its pages now exist: the writer's copies do not fault them in
+        staging.touch()                 # its pages now exist: the writer's copies do not fault them in
+    conn.send(("ready",))
     files: dict[int, dict] = {}
     while True:
         try:
@@ -533,7 +518,7 @@ def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None 
         _, _, index, source = request
         request = None
         if isinstance(source, tuple):
-            source = _staged(staging, source)
+            source = staging.view(*source)
         t0 = time.monotonic()
         rep, found, error, spans = RoundTrip(), False, None, []
         try:
@@ -563,6 +548,7 @@ class _Checker:
     conn: multiprocessing.connection.Connection
     staging: _Staging
     pending: list = field(default_factory=list)    # (watch, staging range or None) of each unanswered check
+    ready: bool = False                             # its ("ready",) was read: its area may be written
 
 
 class CheckerProcesses:
@@ -630,6 +616,8 @@ class CheckerProcesses:
                 raise watch.error or RuntimeError(f"round trip of {watch.path.name}: its checker "
                                                   f"processes died")
             for c in sorted(live, key=lambda c: len(c.pending)):
+                if not self._ready(c):
+                    break               # that checker is gone: look again
                 if nbytes > c.staging.size:
                     if any(entry is None for _, entry in c.pending):
                         continue
@@ -639,7 +627,7 @@ class CheckerProcesses:
                     if entry is None:
                         continue
                     request = (entry[0], source.dtype, tuple(source.shape))
-                    _staged(c.staging, request).copy_(source)
+                    c.staging.view(*request).copy_(source)
                 if self._send(c, ("check", watch.key, index, request)):
                     c.pending.append((watch, entry))
                     watch.pending += 1
@@ -677,6 +665,17 @@ class CheckerProcesses:
         for c in self._checkers:
             c.staging.close()
         self._checkers = []
+
+    def _ready(self, c: _Checker) -> bool:
+        # wait for the checker's ("ready",): its staging area is touched and may be written;
+        # False when it died first (buried)
+        if not c.ready:
+            try:
+                c.conn.recv()
+                c.ready = True
+            except (EOFError, OSError):
+                self._bury(c)
+        return c.ready
 
     def _send(self, c: _Checker, request: tuple) -> bool:
         # False when the checker is gone (buried)

@@ -9,8 +9,8 @@ when the host's second core was slower). :func:`start_codec_processes` forks the
 target calls it once its plan is made, where its codecs keep every core); :func:`map_slices` then
 deals a codec's slices to the calling thread, which takes them from the end of the tensor,
 and to the workers, which a feeder thread serves from the front as their answers come. Each
-worker has a shared area (an anonymous ``MAP_SHARED`` mapping made, and its pages touched,
-before the fork) of two slots: a slice's tensors are copied into a free slot, the worker
+worker has a shared area (``runtime.SharedArea``, which the worker touches and then answers
+``("ready",)``, before anything is copied into it) of two slots: a slice's tensors are copied into a free slot, the worker
 runs the codec there and writes the result back into the slot after them. A worker has a
 second slice waiting while many remain, one near the end (so that the lanes finish together).
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import math
-import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -35,7 +34,7 @@ import threading
 
 import torch
 
-from quantpress.runtime import sendable
+from quantpress.runtime import SharedArea, sendable
 
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True
@@ -47,9 +46,9 @@ MAX_WORKERS = 15
 
 
 class _Worker:
-    def __init__(self, proc, conn, area: mmap.mmap):
+    def __init__(self, proc, conn, area: SharedArea):
         self.proc, self.conn, self.area = proc, conn, area
-        self.bytes = torch.frombuffer(area, dtype=torch.uint8)
+        self.ready = False                  # its ("ready",) was read: its area may be written
         self.slot = AREA_BYTES // 2
         self.free = [0, 1]
         self.pending: collections.deque = collections.deque()    # (slice index, slot)
@@ -81,12 +80,8 @@ def _resolve(ref: tuple[str, str, bool]):
     return obj.__wrapped__ if wrapped else obj
 
 
-def _view(area: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    return area[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
-def _serve(conn, area: mmap.mmap, inherited: list) -> None:
-    """A worker's loop. Requests: ``(fn reference, args, slot start, slot end)``, ``args`` the
+def _serve(conn, area: SharedArea, inherited: list) -> None:
+    """A worker's loop: touches its area, answers ``("ready",)``; then requests: ``(fn reference, args, slot start, slot end)``, ``args`` the
     codec's arguments with each tensor replaced by ``("area", start, dtype, shape)``. Answers
     ``("area", start, dtype, shape)`` (the result, written into the slot after the inputs),
     ``("value", ndarray)`` (a result larger than what the slot has left) or ``("error", e)``.
@@ -97,7 +92,8 @@ def _serve(conn, area: mmap.mmap, inherited: list) -> None:
         end.close()
     torch.set_num_threads(1)
     common.serial_codecs().__enter__()      # a codec calling another runs its slices here
-    view = torch.frombuffer(area, dtype=torch.uint8)
+    area.touch()
+    conn.send(("ready",))
     while True:
         try:
             ref, args, start, end = conn.recv()
@@ -105,7 +101,7 @@ def _serve(conn, area: mmap.mmap, inherited: list) -> None:
             return
         try:
             fn = _resolve(ref)
-            real = [_view(view, a[1], a[2], a[3]) if isinstance(a, tuple) and a[:1] == ("area",) else a
+            real = [area.view(*a[1:]) if isinstance(a, tuple) and a[:1] == ("area",) else a
                     for a in args]
             with torch.no_grad():
                 out = fn(*real).contiguous()
@@ -113,7 +109,7 @@ def _serve(conn, area: mmap.mmap, inherited: list) -> None:
                         if isinstance(a, tuple) and a[:1] == ("area",)) // 64) * 64
             n = out.numel() * out.element_size()
             if at + n <= end:
-                view[at:at + n].copy_(out.reshape(-1).view(torch.uint8))
+                area.bytes[at:at + n].copy_(out.reshape(-1).view(torch.uint8))
                 answer = ("area", at, out.dtype, tuple(out.shape))
             else:
                 answer = ("value", out.numpy())
@@ -142,8 +138,7 @@ def start_codec_processes(n: int | None = None) -> int:
         try:
             while len(_workers) < n:
                 parent, child = ctx.Pipe()
-                area = mmap.mmap(-1, AREA_BYTES, flags=mmap.MAP_SHARED)
-                torch.frombuffer(area, dtype=torch.uint8).fill_(0)     # its pages exist, for both
+                area = SharedArea(AREA_BYTES)
                 inherited = [w.conn for w in _workers] + [parent]
                 proc = ctx.Process(target=_serve, args=(child, area, inherited), daemon=True,
                                    name=f"quantpress-codec-{len(_workers)}")
@@ -165,6 +160,7 @@ def close_codec_processes() -> None:
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join()
+            w.area.close()
         _workers.clear()
 
 
@@ -184,6 +180,7 @@ def _bury(w: _Worker) -> RuntimeError:
     if w in _workers:
         _workers.remove(w)
     w.conn.close()
+    w.area.close()
     return RuntimeError(f"codec process {w.proc.name} died (exit code {w.proc.exitcode})")
 
 
@@ -225,6 +222,12 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
     failures: list[BaseException] = []
 
     def send(w: _Worker) -> None:
+        if not w.ready:                     # its area is touched only once it says so
+            try:
+                w.conn.recv()
+            except EOFError:
+                raise OSError("ended") from None
+            w.ready = True
         try:
             j = todo.popleft()
         except IndexError:
@@ -236,7 +239,7 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
         for a in (x, *more):
             if isinstance(a, torch.Tensor):
                 piece = a[s:s + step]
-                _view(w.bytes, at, piece.dtype, tuple(piece.shape)).copy_(piece)
+                w.area.view(at, piece.dtype, tuple(piece.shape)).copy_(piece)
                 args.append(("area", at, piece.dtype, tuple(piece.shape)))
                 at += -(-piece.numel() * piece.element_size() // 64) * 64
             else:
@@ -254,7 +257,7 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
         j, slot = w.pending.popleft()
         w.free.append(slot)
         if kind == "area":
-            outs[j] = _view(w.bytes, *answer).clone()
+            outs[j] = w.area.view(*answer).clone()
         elif kind == "value":
             outs[j] = torch.from_numpy(answer[0])
         else:

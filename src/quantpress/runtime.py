@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import math
 import mmap
+import multiprocessing
 import os
 import pickle
 import re
@@ -239,3 +240,24 @@ class SharedArea:
             self.map.close()
         except BufferError:
             pass
+
+
+def can_fork_workers() -> bool:
+    """Whether this process may start worker processes (:mod:`multiprocessing` forbids a
+    daemonic process children; the batch's side lane is one)."""
+    return not multiprocessing.current_process().daemon
+
+
+def fork_worker(target, area: SharedArea, inherited: list, name: str):
+    """Fork a daemonic worker process running ``target(conn, area, ends)``: ``conn`` its end
+    of a new pipe, ``area`` shared with it, ``ends`` the pipe ends of this process that it
+    inherits and must close first (``inherited`` and the other end of its own pipe), so that
+    this process's death, however it ends, closes every worker's pipe. Forked, not spawned:
+    the worker starts at once as a copy of this process, importing nothing. Returns (the
+    process, this process's end of the pipe); OSError when it cannot be started."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, area, list(inherited) + [parent]), daemon=True, name=name)
+    proc.start()
+    child.close()
+    return proc, parent

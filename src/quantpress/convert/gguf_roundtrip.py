@@ -35,7 +35,7 @@ from quantpress.errors import InputError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
 from quantpress.quantize.ggml.processes import codec_process_ends
-from quantpress.runtime import SharedArea, sendable
+from quantpress.runtime import SharedArea, can_fork_workers, fork_worker, sendable
 
 
 @dataclass
@@ -431,7 +431,7 @@ def checker_processes_usable() -> bool:
     """Whether round trips may run in checker processes: :data:`USE_PROCESSES` and this
     process is not daemonic (:mod:`multiprocessing` forbids a daemonic process children; the
     batch's side lane is one)."""
-    return USE_PROCESSES and not multiprocessing.current_process().daemon
+    return USE_PROCESSES and can_fork_workers()
 
 
 class _Staging(SharedArea):
@@ -471,26 +471,25 @@ class _Staging(SharedArea):
             self._live.popleft()
 
 
-def _serve_checks(conn, staging: _Staging | None = None, inherited: list | None = None) -> None:
-    """A checker process's loop. Requests: ``("open", key, path, [(name, shape)], types)``
-    (a file to check, whose header is on disk: parsed at once), ``("check", key, index, source)``
-    (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``: where it
-    lies in ``staging``, which the process touches at its start, then answering
-    ``("ready",)`` before anything else: the writer copies nothing into the area before) and ``("close", key)`` (forget the file, unmapping it). Each check is answered ``("checked", key, index, reports, mismatches,
-    found, spans, error, pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and
-    mismatches, whether the tensor was in the file, the check's (t0, t1) span in
-    ``time.monotonic`` seconds (the first check of a file also the parse's), the exception
-    it raised (or None) and the process id. Ends when the pipe closes: ``inherited``, the
-    writer's ends of the checkers' pipes (this one's included) that a forked process holds
-    copies of, are closed first, so that the writer's exit, however it ends, closes every
-    checker's pipe. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread ends, and
-    the checkers outlive the thread that started them.)"""
-    for end in inherited or ():
+def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
+    """A checker process's loop (:func:`quantpress.runtime.fork_worker`): closes the
+    ``inherited`` pipe ends, touches ``staging`` and answers ``("ready",)`` (the writer copies
+    nothing into the area before). Requests: ``("open", key, path, [(name, shape)], types)``
+    (a file to check, whose header is on disk: parsed at once), ``("check", key, index,
+    source)`` (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``:
+    where it lies in ``staging``) and ``("close", key)`` (forget the file, unmapping it). Each
+    check is answered ``("checked", key, index, reports, mismatches, found, spans, error,
+    pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and mismatches, whether the
+    tensor was in the file, the check's (t0, t1) span in ``time.monotonic`` seconds (the
+    first check of a file also the parse's), the exception it raised (or None) and the
+    process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
+    however it ends, closes it. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread
+    ends, and the checkers outlive the thread that started them.)"""
+    for end in inherited:
         end.close()
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
-    if staging is not None:
-        staging.touch()                 # its pages now exist: the writer's copies do not fault them in
+    staging.touch()                     # its pages now exist: the writer's copies do not fault them in
     conn.send(("ready",))
     files: dict[int, dict] = {}
     while True:
@@ -571,16 +570,11 @@ class CheckerProcesses:
         """Have at least ``n`` live checkers (forking the missing ones, each with its staging
         area). Raises OSError when a process cannot be started."""
         self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
-        ctx = multiprocessing.get_context("fork")
         while len(self._checkers) < n:
-            parent, child = ctx.Pipe()
             staging = _Staging(max(64, STAGING_BYTES // n, STAGING_BYTES // 4))
-            inherited = [c.conn for c in self._checkers] + [parent] + codec_process_ends()
-            proc = ctx.Process(target=_serve_checks, args=(child, staging, inherited), daemon=True,
-                               name=f"quantpress-check-{len(self._checkers)}")
-            proc.start()
-            child.close()
-            self._checkers.append(_Checker(proc, parent, staging))
+            proc, conn = fork_worker(_serve_checks, staging, [c.conn for c in self._checkers] + codec_process_ends(),
+                                     f"quantpress-check-{len(self._checkers)}")
+            self._checkers.append(_Checker(proc, conn, staging))
 
     def open(self, watch: "RoundTripProcessWatch", n: int) -> list[_Checker]:
         """Give ``watch`` a key and announce its file to ``n`` checkers, those serving the

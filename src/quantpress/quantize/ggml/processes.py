@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from quantpress.runtime import SharedArea, sendable
+from quantpress.runtime import SharedArea, can_fork_workers, fork_worker, sendable
 
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True
@@ -126,7 +126,7 @@ def start_codec_processes(n: int | None = None) -> int:
     :data:`MAX_WORKERS`), forking the missing ones; returns how many live. Starts none (and
     returns 0) where they cannot run: :data:`USE_PROCESSES` False, a daemonic process
     (:mod:`multiprocessing` forbids it children), or a fork that fails (OSError)."""
-    if not USE_PROCESSES or multiprocessing.current_process().daemon:
+    if not USE_PROCESSES or not can_fork_workers():
         return 0
     n = min(MAX_WORKERS, torch.get_num_threads() - 1 if n is None else n)
     with _lock:
@@ -134,17 +134,11 @@ def start_codec_processes(n: int | None = None) -> int:
             _workers.clear()
             _owner[0] = os.getpid()
         _workers[:] = [w for w in _workers if w.proc.is_alive()]
-        ctx = multiprocessing.get_context("fork")
         try:
             while len(_workers) < n:
-                parent, child = ctx.Pipe()
                 area = SharedArea(AREA_BYTES)
-                inherited = [w.conn for w in _workers] + [parent]
-                proc = ctx.Process(target=_serve, args=(child, area, inherited), daemon=True,
-                                   name=f"quantpress-codec-{len(_workers)}")
-                proc.start()
-                child.close()
-                _workers.append(_Worker(proc, parent, area))
+                proc, conn = fork_worker(_serve, area, [w.conn for w in _workers], f"quantpress-codec-{len(_workers)}")
+                _workers.append(_Worker(proc, conn, area))
         except OSError:
             pass
         return len(_workers)

@@ -27,6 +27,11 @@ The quantization step alone (`--quantize-only`): one F16 GGUF (ours, `convert hf
 (``write_gguf_many(verify=False)`` on the same plan, the second of two runs, so that a GPU's
 warm-up is left out): how much of the stage the round trip takes.
 
+`--windows` adds, in one more process, quantize+write of the same plan with and without the
+round trip under the writer's read-ahead and window settings (``gguf_file.READ_AHEAD``,
+``CPU_WINDOW_ROUNDS``: on the CPU the codec processes are started, as the target does), each
+twice, alternating, after a warm-up run: what each setting is worth on this machine.
+
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
 """
@@ -129,6 +134,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="tokenizer directory for --model synth4x (default: SmolLM2's)")
     ap.add_argument("--split", action="store_true",
                     help="--quantize-only: also time quantize+write without the round trip")
+    ap.add_argument("--windows", action="store_true",
+                    help="--quantize-only: also time quantize+write under the read-ahead and window settings")
     args = ap.parse_args()
     tok = Path(args.tokenizer) if args.tokenizer else None
     model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: synth4x(tok)}.get(
@@ -220,6 +227,9 @@ def quantize_only(args, model: Path) -> int:
             measure([PY, "-c", NO_ROUND_TRIP, str(f16), args.policy, args.device, str(d / "bare.gguf"),
                      args.imatrix or ""], log=log)
             bare = float(log[-1].split()[-1])
+        if args.windows:
+            subprocess.run([PY, "-c", WINDOWS, str(f16), args.policy, args.device, str(d / "win.gguf"),
+                            args.imatrix or ""], check=True)
     step = stages.get("quantize+write", float("nan"))
     fig = {
         "model": str(model), "policy": args.policy, "device": args.device, "imatrix": args.imatrix,
@@ -269,6 +279,49 @@ for run in range(2):
     if dev.type == "cuda":
         torch.cuda.synchronize()
     print(f"run {run + 1}: {time.perf_counter() - t0:.3f}")
+"""
+
+
+#: ``--windows``: quantize+write of an F16 GGUF's plan under the writer's read-ahead and window
+#: settings, with and without the round trip, in one process (argv as NO_ROUND_TRIP's)
+WINDOWS = """
+import sys, time, torch
+from pathlib import Path
+from quantpress.convert import gguf_file, gguf_roundtrip
+from quantpress.quantize.ggml.processes import start_codec_processes
+from quantpress.runtime import bound_heap
+from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
+src, policy, dev, out, im = sys.argv[1:6]
+dev = torch.device(dev)
+bound_heap()                        # as GGUFTarget.prepare: heap, checkers, plan, codec processes
+gguf_roundtrip.start_checkers(dev)
+plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
+lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
+defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
+
+def once(label, verify, ahead, rounds):
+    gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS = ahead, rounds
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        trips = gguf_file.write_gguf_many([(Path(out), plan.kvs, plan.types, plan.imatrix)], plan.arch,
+                                          plan.tensors, dev, verify=verify)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    rt = f"; checking {trips[0].seconds:.2f} s in {trips[0].checker_processes} checker(s), ok {trips[0].ok}" if trips else ""
+    print(f"  {label:62s} {took:6.2f} s{rt}", flush=True)
+
+print(f"quantize+write on {dev} ({lanes} codec lane(s)), READ_AHEAD / CPU_WINDOW_ROUNDS default {defaults}")
+once("warm-up", False, *defaults)
+settings = [("read-ahead", True, defaults[1]), ("no read-ahead", False, defaults[1])]
+if dev.type == "cpu":
+    settings += [("one tensor at a time (no window, no read-ahead)", False, 0),
+                 (f"windows of {defaults[1] // 2} rounds, read-ahead", True, defaults[1] // 2),
+                 (f"windows of {defaults[1] * 2} rounds, read-ahead", True, defaults[1] * 2)]
+for verify in (False, True):
+    for _ in range(2):
+        for label, ahead, rounds in settings:
+            once(("round trip, " if verify else "no round trip, ") + label, verify, ahead, rounds)
 """
 
 

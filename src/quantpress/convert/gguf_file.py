@@ -1,17 +1,20 @@
 """Streaming GGUF writing and round-trip verification, on gguf-py's GGUFWriter/GGUFReader.
 
 Tensors are described up front (name, shape, ggml type), then produced, quantized and
-written one at a time (on an accelerator, a window of tensors at a time), so peak memory
-follows the largest tensor, not the model. The file
+written one at a time (on an accelerator, or on the CPU with codec processes, a window of
+tensors at a time, the next window read meanwhile), so peak memory follows the largest tensor
+or window, not the model. The file
 goes to a temporary path next to the output and is renamed only after it has been re-read
 and verified. Several files of one model (policies sharing a tensor order) are written side
 by side from one read of each source tensor (:func:`write_gguf_many`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -20,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from quantpress.quantize import ggml
-from quantpress.quantize.ggml.common import CPU_PARALLEL_ELEMENTS, intra_op_threads
+from quantpress.quantize.ggml.common import CPU_PARALLEL_ELEMENTS, CPU_SLICE_ELEMENTS, intra_op_threads
+from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
 from quantpress.runtime import trim_heap
 
@@ -79,13 +83,22 @@ GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor
 
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
 #: elements: a window is written once it holds this many (or the end is reached), so host
-#: memory holds about this much source data beyond the largest tensor (2^27 = 134M: two
-#: thirds of a decoder layer of a 7B llama, whose layers hold 202M weights)
+#: memory holds about this much source data beyond the largest tensor, twice with the next
+#: window read meanwhile (:data:`READ_AHEAD`) (2^27 = 134M: two thirds of a decoder layer of
+#: a 7B llama, whose layers hold 202M weights)
 WINDOW_ELEMENTS = 1 << 27
 #: ggml types whose quantization without importance weights costs about what its round-trip
 #: check costs, or less (no scale search); the others (K-quants, i-quants, any type with an
 #: imatrix) cost several times their check (:func:`codecs_leave_a_core`)
 LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+#: where windows are used (:func:`_window_elements`), load the next window's tensors in a
+#: background thread while one is encoded, written and handed to the round trip. The 554M
+#: random llama's Q4_K_M (`quantize gguf`, one H100 and 16 Xeon cores): on CUDA 2.8-3.0 s
+#: with the round trip against 4.7-5.2 s without reading ahead; on the 16 cores with codec
+#: processes 10.1-10.5 s against 12.3-12.7 s; without the round trip no difference (1.98-2.06
+#: s on CUDA, 8.2-9.3 s on the CPU), since it is the writer's waits for the checkers that the
+#: reading now overlaps (two runs each, by the code that became scripts/bench_gguf.py --windows)
+READ_AHEAD = True
 
 
 def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
@@ -109,10 +122,57 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     return 2 * heavy <= sum(st.numel for st in tensors)
 
 
+#: on the CPU with codec processes (:mod:`quantpress.quantize.ggml.processes`), a window holds
+#: this many codec slices (``CPU_SLICE_ELEMENTS``) per lane, so that every lane has work until
+#: the window's end, whatever its tensors' sizes (one tensor at a time, a 1536 x 512 tensor's
+#: two slices kept two of 16 lanes busy). The 554M random llama's Q4_K_M without the round
+#: trip on 16 Xeon cores: 15.3-15.4 s one tensor at a time, 7.8-8.3 s with windows of 4, 8
+#: or 16 rounds alike (2^25 to 2^27 elements there; 2 cores: 2^23), by the code that became
+#: scripts/bench_gguf.py --windows
+CPU_WINDOW_ROUNDS = 8
+
+
 def _window_elements(device: torch.device) -> int:
-    """Elements read ahead before a window is encoded: 0 on the CPU (one tensor at a time),
-    else :data:`WINDOW_ELEMENTS`."""
-    return 0 if device.type == "cpu" else WINDOW_ELEMENTS
+    """Elements read before a window is encoded: off the CPU :data:`WINDOW_ELEMENTS`; on the
+    CPU :data:`CPU_WINDOW_ROUNDS` slices per lane where codec processes are running (the
+    calling thread and each worker a lane), else 0 (one tensor at a time)."""
+    if device.type != "cpu":
+        return WINDOW_ELEMENTS
+    lanes = len(codec_process_ids()) + 1
+    return 0 if lanes < 2 else CPU_WINDOW_ROUNDS * lanes * CPU_SLICE_ELEMENTS
+
+
+class _ReadAhead:
+    """``tensors``' ``load()``, in order, in one background thread, at most ``limit`` elements
+    (or one tensor) loaded and not yet taken, so that reading the next window overlaps the
+    encoding of this one. :meth:`take` returns them in order (raising what ``load`` raised);
+    :meth:`close` cancels what is not started and waits for the load under way."""
+
+    def __init__(self, tensors: list[SourceTensor], limit: int):
+        self._tensors, self._limit = tensors, limit
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantpress-read")
+        self._loads: collections.deque = collections.deque()
+        self._next = self._ahead = 0
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._next < len(self._tensors) and (
+                not self._loads or self._ahead + self._tensors[self._next].numel <= self._limit):
+            st = self._tensors[self._next]
+            self._loads.append(self._pool.submit(st.load))
+            self._ahead += st.numel
+            self._next += 1
+
+    def take(self) -> torch.Tensor:
+        """The next tensor's ``load()``."""
+        index = self._next - len(self._loads)
+        t = self._loads.popleft().result()
+        self._ahead -= self._tensors[index].numel
+        self._top_up()
+        return t
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
@@ -133,11 +193,15 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     NaN/Inf checks once; the tensor moved to ``device`` once; for each distinct ggml type the
     files ask for (a norm is F32 in every policy) and importance weights, one encoding
     (uint8 [rows, row_bytes]) written to every file of that type; then the next tensor. On
-    the CPU peak memory is one source tensor and one encoded copy, whatever the number of
-    files. Off the CPU, tensors are read ahead into a window of :data:`WINDOW_ELEMENTS`
-    elements (or one tensor, if larger) and the window is encoded with :func:`encode_many`
-    (one codec pass per type), then written in order: a GPU codec's time is its op count,
-    not its data. Each file's bytes equal a
+    the CPU without codec processes peak memory is one source tensor and one encoded copy,
+    whatever the number of files. Off the CPU, tensors are read into a window of
+    :data:`WINDOW_ELEMENTS` elements (or one tensor, if larger) and the window is encoded
+    with :func:`encode_many` (one codec pass per type), then written in order: a GPU codec's
+    time is its op count, not its data. On the CPU with codec processes the window holds
+    :data:`CPU_WINDOW_ROUNDS` codec slices per lane, so that every lane is busy to its end.
+    Where windows are used (:data:`READ_AHEAD`) a background thread loads the next window's
+    tensors while this one is encoded, written and handed to the round trip (host memory
+    then holds two windows of source tensors). Each file's bytes equal a
     :func:`write_gguf` of it alone, i.e. what ``convert_hf_to_gguf.py`` + ``llama-quantize``
     write (llama.cpp as vendored in llama-cpp-python 0.3.36) when the plan is theirs.
 
@@ -223,8 +287,12 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
 
         size, limit = 0, _window_elements(device)
+        ahead = None
+        if limit and READ_AHEAD:
+            ahead = _ReadAhead(tensors, limit)
+            closing.callback(ahead.close)
         for index, st in enumerate(progress(tensors)):
-            t = st.load()
+            t = st.load() if ahead is None else ahead.take()
             if tuple(t.shape) != tuple(st.shape):
                 raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
             check_finite(st.name, t)

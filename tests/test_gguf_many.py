@@ -529,3 +529,22 @@ def test_cpu_windows_with_the_round_trip_and_search_codecs(one_codec_worker, tmp
     monkeypatch.setattr(gguf_file, "CPU_WINDOW_ROUNDS", 0)
     _write(tmp_path / "one.gguf", _eight_slices(1), "Q4_K")
     assert _sha(tmp_path / "w.gguf") == _sha(tmp_path / "one.gguf")
+
+
+def test_which_plans_leave_the_checker_a_core():
+    """gguf_file.codecs_leave_a_core: the codecs keep every core when more than half of the
+    weights go to a search codec or to a type given importance weights that it uses, whatever
+    the tensors' sizes (windows pool small tensors); Q8_0 ignores importance weights."""
+    def st(name, n):
+        return SourceTensor(name, (n // 256, 256), None)
+    tensors = [st("a", 1 << 16), st("b", 1 << 16), st("c", 1 << 16), st("d", 1 << 16)]
+    def leaves(types, imatrix=None):
+        return gguf_file.codecs_leave_a_core([(None, [], dict(zip("abcd", types)), imatrix or {})], tensors)
+    assert leaves(["Q5_0", "Q8_0", "Q4_K", "Q6_K"])              # half heavy: the core is left
+    assert not leaves(["Q5_0", "Q4_K", "Q4_K", "Q6_K"])          # three quarters heavy
+    w = torch.ones(256)
+    assert not leaves(["Q5_0", "Q5_0", "Q8_0", "Q4_K"], {"a": w, "b": w})   # weighted Q5_0: heavy
+    assert leaves(["Q8_0", "Q8_0", "Q5_0", "Q4_K"], {"a": w, "b": w})      # weighted Q8_0: not
+    # of two files written together, a tensor is heavy when it is in either
+    files = [(None, [], dict(zip("abcd", ["Q8_0"] * 4)), {}), (None, [], dict(zip("abcd", ["Q4_K"] * 4)), {})]
+    assert not gguf_file.codecs_leave_a_core(files, tensors)

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from quantpress.quantize import ggml
-from quantpress.quantize.ggml.common import CPU_PARALLEL_ELEMENTS, CPU_SLICE_ELEMENTS, intra_op_threads
+from quantpress.quantize.ggml.common import CPU_SLICE_ELEMENTS, intra_op_threads
 from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
 from quantpress.runtime import trim_heap
@@ -103,22 +103,28 @@ READ_AHEAD = True
 
 def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     """Whether at most half of the weights (by count) are in tensors whose quantization costs
-    several times their check and is shared over the CPU's lanes: a type not in
-    :data:`LIGHT_TYPES` or given importance weights in some file, in a tensor of at least
-    ``CPU_PARALLEL_ELEMENTS``. Then the writer on the CPU leaves the checker processes their
-    cores (its codecs run on the calling thread alone, and no codec process is needed);
-    else its codecs keep every core (over the codec processes, where started) and the checks
-    share them. ``files`` as :func:`write_gguf_many`'s (the paths are not used).
-    Quantize+write on this project's two cores with the codec processes (`quantize gguf` on
-    llama.cpp's F16 files, the choice forced either way by hand): SmolLM2's Q4_K_M (mostly
-    Q5_0 and Q8_0: its rows of 576 are no K-quant's) 2.0-2.2 s leaving the core, 2.6-2.9 s
-    on both; with its imatrix (weighted, but every weighted tensor under 2^20 weights)
-    5.0-5.1 s and 5.0-5.3 s; the 554M random llama's (Q4_K and Q6_K) 24.7 s leaving it,
-    18.2 s on both. (Deciding tensor by tensor, on whether the checker was busy, gave
-    2.6-3.0 s and 24.3-24.8 s with threads.)"""
+    several times their check: a type not in :data:`LIGHT_TYPES`, or one that uses importance
+    weights and is given them in some file (Q8_0 ignores them). Then the writer on the CPU
+    leaves the checker processes their cores (its codecs run on the calling thread alone, and
+    no codec process is needed); else its codecs keep every core (over the codec processes,
+    where started, in windows of several tensors: :data:`CPU_WINDOW_ROUNDS`, so a tensor's
+    size does not matter) and the checks share them. ``files`` as :func:`write_gguf_many`'s
+    (the paths are not used). Quantize+write on this project's two cores (`quantize gguf` on
+    llama.cpp's F16 files, the choice forced either way by hand, two runs each, alternating):
+    SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's; 20% of its
+    weights heavy) 1.7 s leaving the core, 2.3-2.5 s on both; with its imatrix (79% heavy:
+    weighted Q5_0, Q4_K and Q6_K tensors of 884K weights) 4.8-5.0 s leaving it, 4.3-4.4 s on
+    both; the 554M random llama's (Q4_K and Q6_K) 24.7 s leaving it, 18.2 s on both (before
+    the windows). Before the windows a tensor counted only from 2^20 weights (``CPU_PARALLEL_
+    ELEMENTS``: one small tensor's slices gave the lanes little), and SmolLM2's imatrix run
+    left the core. (Deciding tensor by tensor, on whether the checker was busy, gave 2.6-3.0 s
+    and 24.3-24.8 s with threads.)"""
     plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
-    heavy = sum(st.numel for st in tensors if st.numel >= CPU_PARALLEL_ELEMENTS and any(
-        types[st.name] not in LIGHT_TYPES or st.name in imatrix for types, imatrix in plans))
+
+    def heavy_in(st: SourceTensor, types: dict, imatrix: dict) -> bool:
+        t = types[st.name]
+        return t not in LIGHT_TYPES or (st.name in imatrix and ggml.get(t).quantize_blocks_weighted is not None)
+    heavy = sum(st.numel for st in tensors if any(heavy_in(st, types, imatrix) for types, imatrix in plans))
     return 2 * heavy <= sum(st.numel for st in tensors)
 
 

@@ -6,7 +6,10 @@ several policies of one source written from one read of each source tensor.
 * each source tensor is loaded exactly once per order group, and only through the first
   target of its group, and encoded once per distinct ggml type within its group;
 * a NaN in a source tensor raises InputError naming the tensor, with every writer closed;
-* plans of one order that differ in shapes, or targets of different sources, are refused.
+* plans of one order that differ in shapes, or targets of different sources, are refused;
+* on the CPU with codec processes, windows of tensors with the next read meanwhile (at most one
+  window ahead; a failed load raised here, nothing left running), the same bytes as one
+  tensor at a time; which plans' codecs keep every core (``codecs_leave_a_core``).
 
 Tiny 2-layer llama (``tiny_llama_dir``), CPU.
 """

@@ -33,6 +33,10 @@ With ``--lanes 1,2`` only the codec processes (``quantize.ggml.processes``): Q4_
 (16.8 M weights) on the calling thread alone, then on n lanes as threads of the codec pool and
 as codec processes: wall and CPU seconds.
 
+With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which the round trip's
+checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
+one thread, the glibc heap bounded as the targets bound it (best of five).
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -370,6 +374,19 @@ def ggml_cuda_chunks() -> None:
         qg.ACCEL_CHUNK_ELEMENTS = kept
 
 
+def dequantizers() -> None:
+    """``quantize.ggml.dequantize`` of 1,024 x 4,096 values per type, one thread: best of five."""
+    from quantpress.quantize import ggml
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    x = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
+    for name in ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16", "F32"]:
+        raw = ggml.quantize(x, name)
+        print(f"dequantize {name:5s} of 1024 x 4096: {best_ms(lambda: ggml.dequantize(raw, name)):6.2f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF with a large vocabulary (default: SmolLM2 "
@@ -380,6 +397,7 @@ def main() -> int:
     ap.add_argument("--threads", help="only the codec thread sweep, on these thread counts (e.g. 1,2,4,8)")
     ap.add_argument("--lanes", help="only the codec lanes (threads against processes), on these "
                     "lane counts (e.g. 1,2)")
+    ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
@@ -390,6 +408,9 @@ def main() -> int:
         return 0
     if args.lanes:
         codec_lanes([int(n) for n in args.lanes.split(",")])
+        return 0
+    if args.dequantize:
+        dequantizers()
         return 0
     snr_floor()
     codec_threads()

@@ -214,9 +214,9 @@ class SharedArea:
     creation shares with the creator (the forked workers of the GGUF round trip and of the
     codecs), with ``bytes``, a uint8 tensor over it, and :meth:`view`.
 
-    A forked worker calls :meth:`touch` before it answers anything, so that the area's pages
-    exist before the creator copies into them; the creator must not write into the area
-    before that first answer (the worker's touch would zero what it wrote: a worker slow to
+    A forked worker touches it and says so before it answers anything (:func:`announce_ready`),
+    so that the area's pages exist before the creator copies into them; the creator must not
+    write into the area before reading that first answer (:func:`wait_ready`) (the worker's touch would zero what it wrote: a worker slow to
     start, such as one left unscheduled on a busy machine, made the round trip fail on
     zeros, tests/test_gguf_many.py)."""
 
@@ -246,6 +246,23 @@ def can_fork_workers() -> bool:
     """Whether this process may start worker processes (:mod:`multiprocessing` forbids a
     daemonic process children; the batch's side lane is one)."""
     return not multiprocessing.current_process().daemon
+
+
+def announce_ready(conn, area: SharedArea) -> None:
+    """In a forked worker: touch ``area`` (:meth:`SharedArea.touch`), then send ``("ready",)``
+    over ``conn``; the process that forked it writes nothing into the area before reading it
+    (:func:`wait_ready`)."""
+    area.touch()
+    conn.send(("ready",))
+
+
+def wait_ready(conn) -> bool:
+    """Read a forked worker's ``("ready",)`` (:func:`announce_ready`) from ``conn``: True, or
+    False when the worker ended first (its pipe closed)."""
+    try:
+        return conn.recv() == ("ready",)
+    except (EOFError, OSError):
+        return False
 
 
 def fork_worker(target, area: SharedArea, inherited: list, name: str):

@@ -35,7 +35,7 @@ from quantpress.errors import InputError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
 from quantpress.quantize.ggml.processes import codec_process_ends
-from quantpress.runtime import SharedArea, can_fork_workers, fork_worker, sendable
+from quantpress.runtime import SharedArea, announce_ready, can_fork_workers, fork_worker, sendable, wait_ready
 
 
 @dataclass
@@ -489,8 +489,7 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
         end.close()
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
-    staging.touch()                     # its pages now exist: the writer's copies do not fault them in
-    conn.send(("ready",))
+    announce_ready(conn, staging)       # its pages now exist: the writer's copies do not fault them in
     files: dict[int, dict] = {}
     while True:
         try:
@@ -664,10 +663,8 @@ class CheckerProcesses:
         # wait for the checker's ("ready",): its staging area is touched and may be written;
         # False when it died first (buried)
         if not c.ready:
-            try:
-                c.conn.recv()
-                c.ready = True
-            except (EOFError, OSError):
+            c.ready = wait_ready(c.conn)
+            if not c.ready:
                 self._bury(c)
         return c.ready
 

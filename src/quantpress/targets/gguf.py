@@ -30,8 +30,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
-from quantpress.convert import gguf_file
-from quantpress.convert.gguf_file import write_gguf_many
+from quantpress.convert.gguf_file import codecs_leave_a_core, write_gguf_many
 from quantpress.convert.gguf_roundtrip import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
                                                start_checkers)
 from quantpress.convert.imatrix_file import Importance, load_importance
@@ -306,7 +305,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             start_checkers(self.device)     # the round trip's processes start while the plan is made
             p, o = self.source.path, self.options
             self.plan = plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
-            if self.device.type == "cpu" and not gguf_file.codecs_leave_a_core(
+            if self.device.type == "cpu" and not codecs_leave_a_core(
                     [(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors):
                 start_codec_processes()     # the search codecs' slices beside this thread's
 

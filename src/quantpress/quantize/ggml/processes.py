@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from quantpress.runtime import SharedArea, can_fork_workers, fork_worker, sendable
+from quantpress.runtime import SharedArea, announce_ready, can_fork_workers, fork_worker, sendable, wait_ready
 
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True
@@ -92,8 +92,7 @@ def _serve(conn, area: SharedArea, inherited: list) -> None:
         end.close()
     torch.set_num_threads(1)
     common.serial_codecs().__enter__()      # a codec calling another runs its slices here
-    area.touch()
-    conn.send(("ready",))
+    announce_ready(conn, area)
     while True:
         try:
             ref, args, start, end = conn.recv()
@@ -217,10 +216,8 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
 
     def send(w: _Worker) -> None:
         if not w.ready:                     # its area is touched only once it says so
-            try:
-                w.conn.recv()
-            except EOFError:
-                raise OSError("ended") from None
+            if not wait_ready(w.conn):
+                raise OSError("ended")
             w.ready = True
         try:
             j = todo.popleft()

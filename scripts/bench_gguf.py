@@ -29,8 +29,10 @@ warm-up is left out): how much of the stage the round trip takes.
 
 `--windows` adds, in one more process, quantize+write of the same plan with and without the
 round trip under the writer's read-ahead and window settings (``gguf_file.READ_AHEAD``,
-``CPU_WINDOW_ROUNDS``: on the CPU the codec processes are started, as the target does), each
-twice, alternating, after a warm-up run: what each setting is worth on this machine.
+``CPU_WINDOW_ROUNDS``: on the CPU the codec processes are started, as the target does) and,
+on the CPU, with the codecs forced to leave the round trip's checker its core or to keep every
+core (``gguf_file.codecs_leave_a_core``'s choice), each twice, alternating, after a warm-up
+run: what each setting is worth on this machine.
 
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
@@ -298,9 +300,12 @@ gguf_roundtrip.start_checkers(dev)
 plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
 lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
+rule = gguf_file.codecs_leave_a_core
+leaves = rule([(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors)
 
-def once(label, verify, ahead, rounds):
+def once(label, verify, ahead, rounds, leave=None):
     gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS = ahead, rounds
+    gguf_file.codecs_leave_a_core = rule if leave is None else (lambda files, tensors: leave)
     t0 = time.perf_counter()
     with torch.no_grad():
         trips = gguf_file.write_gguf_many([(Path(out), plan.kvs, plan.types, plan.imatrix)], plan.arch,
@@ -311,7 +316,8 @@ def once(label, verify, ahead, rounds):
     rt = f"; checking {trips[0].seconds:.2f} s in {trips[0].checker_processes} checker(s), ok {trips[0].ok}" if trips else ""
     print(f"  {label:62s} {took:6.2f} s{rt}", flush=True)
 
-print(f"quantize+write on {dev} ({lanes} codec lane(s)), READ_AHEAD / CPU_WINDOW_ROUNDS default {defaults}")
+print(f"quantize+write on {dev} ({lanes} codec lane(s)), READ_AHEAD / CPU_WINDOW_ROUNDS default {defaults}"
+      + (f", the plan's codecs {'leave the checker a core' if leaves else 'keep every core'}" if dev.type == "cpu" else ""))
 once("warm-up", False, *defaults)
 settings = [("read-ahead", True, defaults[1]), ("no read-ahead", False, defaults[1])]
 if dev.type == "cpu":
@@ -322,6 +328,10 @@ for verify in (False, True):
     for _ in range(2):
         for label, ahead, rounds in settings:
             once(("round trip, " if verify else "no round trip, ") + label, verify, ahead, rounds)
+        if verify and dev.type == "cpu":
+            for leave in (True, False):
+                once("round trip, codecs " + ("leaving the checker a core" if leave else "keeping every core"),
+                     True, *defaults, leave=leave)
 """
 
 

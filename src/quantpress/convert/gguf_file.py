@@ -308,7 +308,8 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             if size >= limit:
                 flush()
                 size = 0
-        flush()
+        if window:
+            flush()
         for w, *_ in writers:
             w.close()
         return [watch.finish() for watch in watches] if verify else None

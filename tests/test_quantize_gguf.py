@@ -15,16 +15,20 @@ from refs import kvs_of, ref_convert, ref_quantize, tensors_of
 @pytest.fixture(scope="module")
 def f16(tmp_path_factory, llamacpp_src, synth_qwen3_dir):
     """llama.cpp's F16 files: SmolLM2 (tied embeddings, 576-wide rows with fallbacks) and the
-    synthetic qwen3 (q/k norms, GQA)."""
+    synthetic qwen3 (q/k norms, GQA); and its BF16 file of the qwen3 (loaded as bfloat16)."""
     d = tmp_path_factory.mktemp("requant_f16")
     return {"smollm2": llamacpp_tools.smollm2_gguf("f16"),
-            "qwen3": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-f16.gguf")}
+            "qwen3": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-f16.gguf"),
+            "qwen3-bf16": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-bf16.gguf", "bf16")}
 
 
 @pytest.mark.parametrize("model,policy", [("smollm2", "Q4_K_M"), ("qwen3", "Q3_K_S"),
-                                          ("qwen3", "Q5_K_M"), ("qwen3", "Q4_0")])
+                                          ("qwen3", "Q5_K_M"), ("qwen3", "Q4_0"),
+                                          ("qwen3-bf16", "Q4_K_M"), ("qwen3-bf16", "F16")])
 def test_requantize_equals_llama_quantize(f16, tmp_path, model, policy):
     src = f16[model]
+    if model.endswith("bf16"):
+        assert {t for t, _, _ in tensors_of(src).values()} == {"BF16", "F32"}
     ref = ref_quantize(src, tmp_path / "ref.gguf", policy)
     s = make.gguf(src, tmp_path / "ours.gguf", policy)
     assert s.roundtrip.startswith("ok") and s.kind == "gguf" and s.target == policy

@@ -210,13 +210,14 @@ def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -
         def load(rt=rt, tname=tname, shape=shape):
             raw = torch.from_numpy(reader_raw(rt).copy())
             drop_pages(reader, rt)   # the source file's pages are not kept mapped
-            if tname == "F16":
-                # as it is (the codecs and the round trip widen it exactly, as ggml_fp16_to_fp32),
-                # as the HF loaders give theirs: half the bytes to copy to a GPU or into a
-                # checker's staging area. The 554M random llama's `quantize gguf` on two cores:
-                # peak PSS 1,429-1,433 MiB against 1,487-1,543 widened here, time within the
-                # host's noise (bench_gguf.py --quantize-only --split, alternating runs)
-                return raw.view(torch.float16).reshape(shape)
+            if tname in ("F16", "BF16"):
+                # as it is (the codecs and the round trip widen it exactly, as ggml_fp16_to_fp32
+                # and ggml_bf16_to_fp32), as the HF loaders give theirs: half the bytes to copy
+                # to a GPU or into a checker's staging area. The 554M random llama's `quantize
+                # gguf` on two cores: peak PSS 1,429-1,433 MiB against 1,487-1,543 widened here,
+                # time within the host's noise (bench_gguf.py --quantize-only --split,
+                # alternating runs)
+                return raw.view(torch.float16 if tname == "F16" else torch.bfloat16).reshape(shape)
             return ggml.dequantize(raw, tname).reshape(shape)
         tensors.append(SourceTensor(rt.name, shape, load))
     params = _model_params(arch, kv("block_count"), kv("attention.head_count"),

@@ -7,15 +7,26 @@ wiki.utf8 (articles 1800–2348).
 Prints a Markdown table (bits per weight, PPL, ΔPPL, KL divergence mean / 99th percentile,
 top-1 agreement, time) and writes the JSON next to the outputs.
 
+SmolLM2's 576-wide rows take llama.cpp's fallbacks (Q4_K → Q5_0, IQ4_XS → IQ4_NL), so its
+policies compare other types than their names say. ``--native T ...`` adds files where only
+the 30 ``ffn_down`` tensors (1,536-wide rows: every type applies as it is) take type T
+(``--tensor-type ffn_down=T``), the rest Q8_0, with and without the imatrix: the types
+compared on the same weights. ``--grid T ...`` prints each type's SNR on one such tensor and
+on Gaussian values of its standard deviation: the released SmolLM2 weights are dequantized
+Q4_1 (llama-smollm2's GGUF), values on a 16-level grid per block of 32 that the affine
+32-wide types (Q4_1, Q4_K) nearly reproduce and the non-linear i-quants do not.
+
 Usage::
 
     python scripts/gguf_imatrix_quality.py [--samples 32 --seqlen 512] [--policies Q4_K_M IQ4_XS Q4_K_S]
+                                           [--native Q4_K IQ4_XS] [--grid Q4_1 Q4_K IQ4_XS]
                                            [--chunks 20] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -30,7 +41,11 @@ def main() -> None:
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--policies", nargs="+", default=["Q4_K_M", "Q4_K_S", "IQ4_XS", "IQ4_NL", "Q3_K_M", "Q2_K"])
+    ap.add_argument("--policies", nargs="*", default=["Q4_K_M", "Q4_K_S", "IQ4_XS", "IQ4_NL", "Q3_K_M", "Q2_K"])
+    ap.add_argument("--native", nargs="*", default=[], metavar="TYPE",
+                    help="also files with only ffn_down in TYPE (the rest Q8_0), with and without the imatrix")
+    ap.add_argument("--grid", nargs="*", default=[], metavar="TYPE",
+                    help="print each TYPE's SNR on one ffn_down tensor and on Gaussian values")
     ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 (default: all)")
     ap.add_argument("--out", default="out/gguf-imatrix-quality", help="where the files go")
     ap.add_argument("--device", default="cpu")
@@ -39,6 +54,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     compute = ComputeOptions(device=args.device)
+    if args.grid:
+        print_grid(model, args.grid)
     src = Source(model, compute, CalibOptions(samples=args.samples, seqlen=args.seqlen))
     im = out / "smollm2.imatrix.gguf"
     t0 = time.perf_counter()
@@ -54,6 +71,15 @@ def main() -> None:
                         force=True)
             times[name], bpw[name], files[name] = time.perf_counter() - t0, s.bpw, f
             print(s.text(), flush=True)
+    for t in args.native:
+        for with_im in (False, True):
+            name = f"Q8_0, ffn_down {t}" + (" --imatrix" if with_im else "")
+            f = out / f"smollm2-ffn_down-{t}{'-imatrix' if with_im else ''}.gguf"
+            t0 = time.perf_counter()
+            s = produce(GGUFOptions("Q8_0", imatrix=str(im) if with_im else None, tensor_type=(f"ffn_down={t}",)),
+                        Source(model, compute), f, force=True)
+            times[name], bpw[name], files[name] = time.perf_counter() - t0, s.bpw, f
+            print(s.text(), flush=True)
     rep = evaluate(model, list(files.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
     (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
     print()
@@ -62,6 +88,31 @@ def main() -> None:
           f"(held-out articles 1800-2348)")
     print()
     print_table(rep, list(files), bpw, times, first="file")
+
+
+def print_grid(model: Path, types: list[str], layer: int = 10) -> None:
+    """Each ggml type's SNR (dB) on ``model.layers.<layer>.mlp.down_proj.weight`` and on
+    Gaussian values of its standard deviation (seed 0), without importance weights."""
+    import torch
+    from safetensors import safe_open
+
+    from quantpress.quantize import ggml
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        w = f.get_tensor(f"model.layers.{layer}.mlp.down_proj.weight").float()
+    g = torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.std()
+
+    def snr(x: torch.Tensor, t: str) -> float:
+        y = ggml.dequantize(ggml.quantize(x, t), t).reshape(x.shape)
+        return 10 * math.log10(float((x * x).sum() / ((x - y) ** 2).sum()))
+
+    print(f"| type | bpw | SNR on ffn_down of layer {layer} | SNR on Gaussian values |")
+    print("|---|---|---|---|")
+    for t in types:
+        gt = ggml.get(t)
+        bpw = 8 * gt.row_bytes(w.shape[1]) / w.shape[1]
+        print(f"| {t} | {bpw:.2f} | {snr(w, t):.2f} dB | {snr(g, t):.2f} dB |")
+    print(flush=True)
 
 
 if __name__ == "__main__":

@@ -265,6 +265,7 @@ class RoundTripWatch:
                  device: torch.device, size: int, workers: int = 1):
         self.path, self.tensors, self.types, self.device, self.size = Path(path), tensors, types, device, size
         self.workers = max(1, workers)
+        self.checkers: list = []        # checker processes: none, the checks run in threads
         self.rep = RoundTrip()
         self._queue: queue.Queue = queue.Queue(maxsize=self.workers)
         self._threads: list[threading.Thread] = []
@@ -422,9 +423,11 @@ def checker_limit() -> int:
 
 
 def cores_taken(watches: list) -> int:
-    """The cores these watches' checker processes take (0 for checks in threads), which a
-    writer on the CPU may leave them (:func:`quantpress.convert.gguf_file.write_gguf_many`)."""
-    return len({id(c) for w in watches for c in getattr(w, "checkers", ())})
+    """The cores these watches' checker processes take (their ``checkers``: empty for a
+    :class:`RoundTripWatch`, whose checks run in threads), which a writer on the CPU may leave
+    them (:func:`quantpress.convert.gguf_file.write_gguf_many`). Watches of several files may
+    share checkers (counted once)."""
+    return len({id(c) for w in watches for c in w.checkers})
 
 
 def checker_processes_usable() -> bool:

@@ -14,7 +14,8 @@ the 30 ``ffn_down`` tensors (1,536-wide rows: every type applies as it is) take 
 compared on the same weights. ``--grid T ...`` prints each type's SNR on one such tensor and
 on Gaussian values of its standard deviation: the released SmolLM2 weights are dequantized
 Q4_1 (llama-smollm2's GGUF), values on a 16-level grid per block of 32 that the affine
-32-wide types (Q4_1, Q4_K) nearly reproduce and the non-linear i-quants do not.
+32-wide types (Q4_1, Q4_K) nearly reproduce and the non-linear i-quants do not;
+``--model`` the equivalent model of ``scripts/rotate_model.py`` has its weights off that grid.
 
 Usage::
 
@@ -83,7 +84,7 @@ def main() -> None:
     rep = evaluate(model, list(files.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
     (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
     print()
-    print(f"SmolLM2-135M-Instruct, imatrix from {args.samples} x {args.seqlen} tokens of wiki.utf8 "
+    print(f"{model.name}, imatrix from {args.samples} x {args.seqlen} tokens of wiki.utf8 "
           f"(articles 0-1799, {t_im:.0f} s); eval: {rep.n_chunks} chunks of {rep.n_ctx} "
           f"(held-out articles 1800-2348)")
     print()

@@ -35,7 +35,9 @@ as codec processes: wall and CPU seconds.
 
 With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which the round trip's
 checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
-one thread, the glibc heap bounded as the targets bound it (best of five).
+one thread, the glibc heap bounded as the targets bound it (best of five); then Q4_K's nibble
+unpacking on uint8 against through int32, and the round trip's bit comparison by
+``torch.equal`` against counting the differences.
 
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
@@ -385,6 +387,22 @@ def dequantizers() -> None:
     for name in ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16", "F32"]:
         raw = ggml.quantize(x, name)
         print(f"dequantize {name:5s} of 1024 x 4096: {best_ms(lambda: ggml.dequantize(raw, name)):6.2f} ms")
+    # the choices inside: Q4_K's nibbles split on uint8 then converted once, against through
+    # int32; the round trip's bit comparison by torch.equal, against counting the differences
+    qs = ggml.quantize(x, "Q4_K").reshape(-1, 144)[:, 16:144].reshape(-1, 4, 1, 32)
+
+    def on_uint8():
+        return torch.cat([qs & 0xF, qs >> 4], dim=2).to(torch.float32)
+
+    def on_int32():
+        q = qs.to(torch.int32)
+        return torch.cat([q & 0xF, q >> 4], dim=2).to(torch.float32)
+    assert torch.equal(on_uint8(), on_int32())
+    print(f"Q4_K nibbles of 1024 x 4096: on uint8 {best_ms(on_uint8):6.2f} ms, through int32 {best_ms(on_int32):6.2f} ms")
+    a = ggml.dequantize(ggml.quantize(x, "Q4_K"), "Q4_K").reshape(-1).view(torch.int32)
+    b = a.clone()
+    print(f"bit comparison of 1024 x 4096: torch.equal {best_ms(lambda: torch.equal(a, b)):6.2f} ms, "
+          f"(a != b).sum() {best_ms(lambda: int((a != b).sum())):6.2f} ms")
 
 
 def main() -> int:

@@ -181,7 +181,8 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
         ours = ggml.dequantize(torch.from_numpy(chunk.copy()).to(device), tname).reshape(-1)
         ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy())  # F32: a view of the map
         ref_bits, our_bits = ref_t.to(device).view(torch.int32), ours.view(torch.int32)
-        # (torch.equal first: counting through a bool tensor is several times slower)
+        # (torch.equal first: counting through a bool tensor takes twice as long,
+        # scripts/micro_figures.py --dequantize)
         diff = ours.new_zeros(()) if torch.equal(ref_bits, our_bits) else (ref_bits != our_bits).sum()
         x = src[r0:r0 + step].to(device=device, dtype=torch.float32).reshape(-1)
         e = ours - x

@@ -840,8 +840,8 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     dmin = bytes_fp16(b[:, 2:4])
     ls, lm = _unpack_scale_min_k4(b[:, 4:16])
     qs = b[:, 16:144].reshape(nb, 4, 1, 32)
-    # the nibbles on uint8, one conversion, then in place (an int32 unpacking took 13x as long,
-    # timed by hand)
+    # the nibbles on uint8, one conversion, then in place (through int32 the nibbles take
+    # 3.3-3.5x as long: scripts/micro_figures.py --dequantize)
     q = torch.cat([qs & 0xF, qs >> 4], dim=2).to(torch.float32).reshape(nb, 8, 32)
     dl = (d * ls.to(torch.float32)).unsqueeze(-1)
     ml = (dmin * lm.to(torch.float32)).unsqueeze(-1)
@@ -947,7 +947,8 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)
     sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = bytes_fp16(b[:, 208:210])
-    # bit fields on uint8 (3x faster than through int32, timed by hand); q - 32 is exact in float32
+    # bit fields on uint8, as Q4_K's nibbles (scripts/micro_figures.py --dequantize: through
+    # int32 those take 3.3-3.5x as long); q - 32 is exact in float32
     lo = torch.cat([ql & 0xF, ql >> 4], dim=2).reshape(nb, 2, 4, 32)    # [h, k = 2*nibble + half, l]
     hi = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=2)  # [h, k, l]
     q = (lo | (hi << 4)).to(torch.float32).sub_(32.0).reshape(nb, 16, 16)

@@ -117,8 +117,8 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     leaving it, 4.16-4.29 s on both; the 554M random llama's (Q4_K and Q6_K, `--model synth4x`)
     23.8-24.1 s leaving it, 16.7-17.8 s on both. Before the windows a tensor counted only
     from 2^20 weights (``CPU_PARALLEL_ELEMENTS``: one small tensor's slices gave the lanes
-    little), and SmolLM2's imatrix run left the core. (Deciding tensor by tensor, on whether the checker was busy, gave 2.6-3.0 s
-    and 24.3-24.8 s with threads.)"""
+    little), and SmolLM2's imatrix run left the core. (Deciding tensor by tensor, on whether
+    the checker was busy, gave 2.6-3.0 s and 24.3-24.8 s with threads.)"""
     plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
 
     def heavy_in(st: SourceTensor, types: dict, imatrix: dict) -> bool:

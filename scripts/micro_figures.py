@@ -39,6 +39,10 @@ one thread, the glibc heap bounded as the targets bound it (best of five); then 
 unpacking on uint8 against through int32, and the round trip's bit comparison by
 ``torch.equal`` against counting the differences.
 
+With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with an imatrix:
+nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` (their
+weights' exact square roots: nanoseconds per element).
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -405,6 +409,26 @@ def dequantizers() -> None:
           f"(a != b).sum() {best_ms(lambda: int((a != b).sum())):6.2f} ms")
 
 
+def weighted_codecs() -> None:
+    """The importance-weighted codecs per weight (Q5_0, Q4_K, IQ4_XS of 341 x 1,536 with an
+    imatrix, best of eight) and ``sqrtf`` per element (512K values), one thread, the heap
+    bounded as the targets bound it."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml.common import sqrtf
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(341, 1536, generator=g) * 0.02
+    qw = torch.rand(1536, generator=g) + 0.1
+    for name in ["Q5_0", "Q4_K", "IQ4_XS"]:
+        ms = best_ms(lambda: ggml.quantize(x, name, qw), n=8)
+        print(f"{name:6s} with an imatrix, 341 x 1536: {ms * 1e6 / x.numel():6.1f} ns/weight")
+    v = torch.rand(1 << 19, generator=g) * 1e-3
+    print(f"sqrtf of {v.numel()} values: {best_ms(lambda: sqrtf(v), n=20) * 1e6 / v.numel():6.2f} ns/element")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF with a large vocabulary (default: SmolLM2 "
@@ -416,6 +440,8 @@ def main() -> int:
     ap.add_argument("--lanes", help="only the codec lanes (threads against processes), on these "
                     "lane counts (e.g. 1,2)")
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
+    ap.add_argument("--weighted", action="store_true",
+                    help="only the importance-weighted codecs' times and sqrtf's")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
@@ -429,6 +455,9 @@ def main() -> int:
         return 0
     if args.dequantize:
         dequantizers()
+        return 0
+    if args.weighted:
+        weighted_codecs()
         return 0
     snr_floor()
     codec_threads()

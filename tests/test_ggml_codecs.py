@@ -317,6 +317,35 @@ def test_first_absmax_ties_and_zero_sign():
         assert not torch.signbit(m[1])
 
 
+def _sqrtf_inputs() -> torch.Tensor:
+    """Random bit patterns over every non-negative float32 (subnormals, the largest, +inf),
+    and zeros of both signs, NaN, powers of two, the smallest normal and subnormal."""
+    bits = torch.randint(0, 0x7F800001, (1 << 20,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-45, 3.4028235e38, 4.0, 2.0, 1.0,
+                          0.25, 1.17549435e-38, 1.1754942e-38])
+    return torch.cat([bits.view(torch.float32), edges])
+
+
+def test_sqrtf_is_correctly_rounded():
+    """sqrtf equals numpy's float32 square root (the hardware's, correctly rounded) bit for
+    bit; and with a float64 root made wrong by up to 2**-30 relative (so that the float32
+    candidate misrounds), the midpoint checks still give the correctly rounded result."""
+    x = _sqrtf_inputs()
+    want = np.sqrt(x.numpy()).view(np.int32)
+    assert np.array_equal(common.sqrtf(x).numpy().view(np.int32), want)
+    real = torch.sqrt
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    off = lambda t: real(t) * (1 + (noise - 0.5) * 2.0 ** -29) if t.dtype == torch.float64 else real(t)
+    wrong = off(x.to(torch.float64)).to(torch.float32).numpy().view(np.int32)
+    assert (wrong != want).sum() > 1000      # the candidates the checks must move
+    torch.sqrt = off
+    try:
+        got = common.sqrtf(x)
+    finally:
+        torch.sqrt = real
+    assert np.array_equal(got.numpy().view(np.int32), want)
+
+
 def test_exact_helpers():
     v = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 1e9, float("nan"), float("inf"), -4194303.0])
     assert common.nearest_int(v).tolist() == [0, 2, 2, 0, -2, 3238696, 0, -4194304, -4194303]

@@ -388,12 +388,12 @@ def dequantizers() -> None:
     bound_heap()
     torch.set_num_threads(1)
     x = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
-    for name in ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16", "F32"]:
-        raw = ggml.quantize(x, name)
+    raws = {name: ggml.quantize(x, name) for name in ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16", "F32"]}
+    for name, raw in raws.items():
         print(f"dequantize {name:5s} of 1024 x 4096: {best_ms(lambda: ggml.dequantize(raw, name)):6.2f} ms")
     # the choices inside: Q4_K's nibbles split on uint8 then converted once, against through
     # int32; the round trip's bit comparison by torch.equal, against counting the differences
-    qs = ggml.quantize(x, "Q4_K").reshape(-1, 144)[:, 16:144].reshape(-1, 4, 1, 32)
+    qs = raws["Q4_K"].reshape(-1, 144)[:, 16:144].reshape(-1, 4, 1, 32)
 
     def on_uint8():
         return torch.cat([qs & 0xF, qs >> 4], dim=2).to(torch.float32)
@@ -403,7 +403,7 @@ def dequantizers() -> None:
         return torch.cat([q & 0xF, q >> 4], dim=2).to(torch.float32)
     assert torch.equal(on_uint8(), on_int32())
     print(f"Q4_K nibbles of 1024 x 4096: on uint8 {best_ms(on_uint8):6.2f} ms, through int32 {best_ms(on_int32):6.2f} ms")
-    a = ggml.dequantize(ggml.quantize(x, "Q4_K"), "Q4_K").reshape(-1).view(torch.int32)
+    a = ggml.dequantize(raws["Q4_K"], "Q4_K").reshape(-1).view(torch.int32)
     b = a.clone()
     print(f"bit comparison of 1024 x 4096: torch.equal {best_ms(lambda: torch.equal(a, b)):6.2f} ms, "
           f"(a != b).sum() {best_ms(lambda: int((a != b).sum())):6.2f} ms")

@@ -115,10 +115,7 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     weights heavy) 1.74-1.76 s leaving the core, 2.26-2.28 s on both; with its imatrix (79%
     heavy: weighted Q5_0, Q4_K and Q6_K tensors of 884K weights, `--imatrix`) 4.80-4.82 s
     leaving it, 4.16-4.29 s on both; the 554M random llama's (Q4_K and Q6_K, `--model synth4x`)
-    23.8-24.1 s leaving it, 16.7-17.8 s on both. Before the windows a tensor counted only
-    from 2^20 weights (``CPU_PARALLEL_ELEMENTS``: one small tensor's slices gave the lanes
-    little), and SmolLM2's imatrix run left the core. (Deciding tensor by tensor, on whether
-    the checker was busy, gave 2.6-3.0 s and 24.3-24.8 s with threads.)"""
+    23.8-24.1 s leaving it, 16.7-17.8 s on both."""
     plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
 
     def heavy_in(st: SourceTensor, types: dict, imatrix: dict) -> bool:

@@ -31,8 +31,10 @@ warm-up is left out): how much of the stage the round trip takes.
 round trip under the writer's read-ahead and window settings (``gguf_file.READ_AHEAD``,
 ``CPU_WINDOW_ROUNDS``: on the CPU the codec processes are started, as the target does) and,
 on the CPU, with the codecs forced to leave the round trip's checker its core or to keep every
-core (``gguf_file.codecs_leave_a_core``'s choice), each twice, alternating, after a warm-up
-run: what each setting is worth on this machine.
+core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's own CPU ops
+(NaN/Inf checks, copies into the checkers' staging areas) in as many threads as there are
+cores instead of leaving the checker processes theirs, each twice, alternating, after a
+warm-up run: what each setting is worth on this machine.
 
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
@@ -300,12 +302,14 @@ gguf_roundtrip.start_checkers(dev)
 plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
 lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
-rule = gguf_file.codecs_leave_a_core
+rule, taken = gguf_file.codecs_leave_a_core, gguf_file.cores_taken
 leaves = rule([(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors)
 
 def once(label, verify, ahead, rounds, leave=None):
     gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS = ahead, rounds
     gguf_file.codecs_leave_a_core = rule if leave is None else (lambda files, tensors: leave)
+    # off the CPU, leave=False: the writer's own CPU ops keep every core's thread
+    gguf_file.cores_taken = taken if leave is not False or dev.type == "cpu" else (lambda watches: 0)
     t0 = time.perf_counter()
     with torch.no_grad():
         trips = gguf_file.write_gguf_many([(Path(out), plan.kvs, plan.types, plan.imatrix)], plan.arch,
@@ -332,6 +336,8 @@ for verify in (False, True):
             for leave in (True, False):
                 once("round trip, codecs " + ("leaving the checker a core" if leave else "keeping every core"),
                      True, *defaults, leave=leave)
+        elif verify:
+            once("round trip, the writer's CPU ops on every core", True, *defaults, leave=False)
 """
 
 

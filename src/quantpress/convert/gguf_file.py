@@ -92,12 +92,14 @@ WINDOW_ELEMENTS = 1 << 27
 #: imatrix) cost several times their check (:func:`codecs_leave_a_core`)
 LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 #: where windows are used (:func:`_window_elements`), load the next window's tensors in a
-#: background thread while one is encoded, written and handed to the round trip. The 554M
-#: random llama's Q4_K_M (`quantize gguf`, one H100 and 16 Xeon cores): on CUDA 2.8-3.0 s
-#: with the round trip against 4.7-5.2 s without reading ahead; on the 16 cores with codec
-#: processes 10.1-10.5 s against 12.3-12.7 s; without the round trip no difference (1.98-2.06
-#: s on CUDA, 8.2-9.3 s on the CPU), since it is the writer's waits for the checkers that the
-#: reading now overlaps (two runs each, by the code that became scripts/bench_gguf.py --windows)
+#: background thread while one is encoded, written and handed to the round trip (the first
+#: window while gguf-py packs the metadata). The 554M random llama's Q4_K_M (`quantize gguf`,
+#: one H100 and 16 Xeon cores, `scripts/bench_gguf.py --model synth4x --quantize-only
+#: --windows`, two runs each): on CUDA without the round trip 1.50-1.53 s against 1.62-1.63 s
+#: without reading ahead, with it 2.10-2.45 s against 2.07-2.65 s (before the writer left the
+#: checkers their cores, when its waits for them were long, 2.8-3.0 s against 4.7-5.2 s); on
+#: the 16 cores with codec processes 10.1-10.5 s against 12.3-12.7 s with the round trip, no
+#: difference without it (8.2-9.3 s)
 READ_AHEAD = True
 
 
@@ -213,9 +215,10 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     size once its header is written, gguf-py's reader parses it in a checker process of its
     own, and each tensor is checked there as soon as it is on disk, against the source tensor
     just read, while the next is quantized; the sources wait in the checkers' staging areas,
-    ``STAGING_BYTES`` together; on the CPU the codecs leave the checkers their cores when most
-    weights go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the
-    order of ``files``; else None. RuntimeError when a checker process dies.
+    ``STAGING_BYTES`` together; with the codecs off the CPU the writer's own torch ops on the
+    CPU leave the checker processes their cores, on the CPU the codecs do so when most weights
+    go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the order of
+    ``files``; else None. RuntimeError when a checker process dies.
 
     Raises ValueError for no files; InputError naming the tensor when a loaded tensor's
     shape is not ``shape`` or it holds NaN/Inf (the source weights are corrupt); KeyError
@@ -226,6 +229,12 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         raise ValueError("write_gguf_many: no files to write")
     watches: list = []      # round-trip watches (threads or checker processes)
     with contextlib.ExitStack() as closing:
+        size, limit = 0, _window_elements(device)
+        ahead = None
+        if limit and READ_AHEAD:
+            # started first: the first window is read while gguf-py packs the metadata
+            ahead = _ReadAhead(tensors, limit)
+            closing.callback(ahead.close)
         writers = []
         for path, kvs, types, *rest in files:
             imatrix = rest[0] if rest else None
@@ -256,8 +265,13 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 closing.callback(watch.stop)
                 watch.start()
                 watches.append(watch)
-        if device.type == "cpu" and watches and codecs_leave_a_core(files, tensors):
-            # the codecs leave the checker processes their cores
+        if watches and (device.type != "cpu" or codecs_leave_a_core(files, tensors)):
+            # the writer's torch ops on the CPU leave the checker processes their cores. Off
+            # the CPU those ops (the NaN/Inf checks, the copies into the staging areas) in one
+            # thread per core fought eight busy checkers for the cores: the 554M random llama's
+            # Q4_K_M on an H100 box with 16 cores took 3.20-3.58 s with the round trip that
+            # way against 2.07-2.65 s leaving the checkers theirs (scripts/bench_gguf.py
+            # --model synth4x --quantize-only --device cuda --windows)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         window: list[tuple[int, torch.Tensor]] = []     # tensors read, not yet written
 
@@ -289,11 +303,6 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             window.clear()
             trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
 
-        size, limit = 0, _window_elements(device)
-        ahead = None
-        if limit and READ_AHEAD:
-            ahead = _ReadAhead(tensors, limit)
-            closing.callback(ahead.close)
         for index, st in enumerate(progress(tensors)):
             t = st.load() if ahead is None else ahead.take()
             if tuple(t.shape) != tuple(st.shape):

@@ -36,6 +36,13 @@ core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's
 cores instead of leaving the checker processes theirs, each twice, alternating, after a
 warm-up run: what each setting is worth on this machine.
 
+`--stages` adds, in one more process, quantize+write of the same plan without and with the
+round trip, each twice after a warm-up run, with the seconds spent in each of its parts:
+``encode_many`` (moving the sources to the device, the codecs, the encoded bytes back), within
+it ``ggml.quantize_many`` alone (synchronized off the CPU), the NaN/Inf checks, gguf-py's
+metadata packing and tensor writes, handing each tensor to the round trip (copies into the
+checkers' staging areas, waits for room) and the wait for the last checks at the end.
+
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
 """
@@ -140,6 +147,8 @@ def main() -> int:
                     help="--quantize-only: also time quantize+write without the round trip")
     ap.add_argument("--windows", action="store_true",
                     help="--quantize-only: also time quantize+write under the read-ahead and window settings")
+    ap.add_argument("--stages", action="store_true",
+                    help="--quantize-only: also time the parts of quantize+write, with and without the round trip")
     args = ap.parse_args()
     tok = Path(args.tokenizer) if args.tokenizer else None
     model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: synth4x(tok)}.get(
@@ -233,6 +242,9 @@ def quantize_only(args, model: Path) -> int:
             bare = float(log[-1].split()[-1])
         if args.windows:
             subprocess.run([PY, "-c", WINDOWS, str(f16), args.policy, args.device, str(d / "win.gguf"),
+                            args.imatrix or ""], check=True)
+        if args.stages:
+            subprocess.run([PY, "-c", STAGES, str(f16), args.policy, args.device, str(d / "stages.gguf"),
                             args.imatrix or ""], check=True)
     step = stages.get("quantize+write", float("nan"))
     fig = {
@@ -338,6 +350,73 @@ for verify in (False, True):
                      True, *defaults, leave=leave)
         elif verify:
             once("round trip, the writer's CPU ops on every core", True, *defaults, leave=False)
+"""
+
+
+#: ``--stages``: quantize+write of an F16 GGUF's plan, the seconds of each part of it (argv as
+#: NO_ROUND_TRIP's)
+STAGES = """
+import collections, sys, time, torch
+from pathlib import Path
+from gguf import GGUFWriter
+from quantpress.convert import gguf_file, gguf_roundtrip
+from quantpress.quantize import ggml
+from quantpress.quantize.ggml.processes import start_codec_processes
+from quantpress.runtime import bound_heap
+from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
+src, policy, dev, out, im = sys.argv[1:6]
+dev = torch.device(dev)
+bound_heap()                        # as GGUFTarget.prepare
+gguf_roundtrip.start_checkers(dev)
+plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
+if dev.type == "cpu":
+    start_codec_processes()
+spent, labels = collections.defaultdict(float), []
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+def timed(owner, name, label, synced=False):
+    f = getattr(owner, name)
+    if label not in labels:
+        labels.append(label)
+    def g(*a, **k):
+        if synced:
+            sync()
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            if synced:
+                sync()
+            spent[label] += time.perf_counter() - t0
+    setattr(owner, name, g)
+
+timed(gguf_file, "encode_many", "encode_many (to the device, codecs, back)")
+timed(ggml, "quantize_many", "  of which ggml.quantize_many", synced=True)
+timed(gguf_file, "check_finite", "NaN/Inf checks")
+timed(GGUFWriter, "write_kv_data_to_file", "gguf-py: metadata")
+timed(GGUFWriter, "write_tensor_data", "gguf-py: tensor writes")
+for cls in (gguf_roundtrip.RoundTripWatch, gguf_roundtrip.RoundTripProcessWatch):
+    timed(cls, "written", "round trip: hand-over (staging copies, waits)")
+    timed(cls, "finish", "round trip: the last checks")
+print(f"quantize+write on {dev}, its parts (seconds)")
+for run, verify in enumerate((False, False, False, True, True)):
+    spent.clear()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        trips = gguf_file.write_gguf_many([(Path(out), plan.kvs, plan.types, plan.imatrix)], plan.arch,
+                                          plan.tensors, dev, verify=verify)
+    sync()
+    took = time.perf_counter() - t0
+    if run == 0:
+        continue                    # warm-up
+    rt = f"; checking {trips[0].seconds:.2f} s in {trips[0].checker_processes} checker(s), ok {trips[0].ok}" if trips else ""
+    print(f"  {'round trip' if verify else 'no round trip':14s} {took:6.2f} s{rt}")
+    for label in labels:
+        if label in spent:
+            print(f"      {label:48s} {spent[label]:6.2f}")
 """
 
 

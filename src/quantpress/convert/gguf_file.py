@@ -267,30 +267,34 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 watches.append(watch)
         if watches and (device.type != "cpu" or codecs_leave_a_core(files, tensors)):
             # the writer's torch ops on the CPU leave the checker processes their cores. Off
-            # the CPU those ops (the NaN/Inf checks, the copies into the staging areas) in one
-            # thread per core fought eight busy checkers for the cores: the 554M random llama's
-            # Q4_K_M on an H100 box with 16 cores took 3.20-3.58 s with the round trip that
-            # way against 2.07-2.65 s leaving the checkers theirs (scripts/bench_gguf.py
-            # --model synth4x --quantize-only --device cuda --windows)
+            # the CPU those ops (the copies into the staging areas, and the NaN/Inf checks
+            # before they moved to the device) in one thread per core fought eight busy
+            # checkers for the cores: the 554M random llama's Q4_K_M on an H100 box with 16
+            # cores took 3.20-3.58 s with the round trip that way against 2.07-2.65 s leaving
+            # the checkers theirs; with the checks on the device, on a second box of the kind
+            # whose checkers set the pace, 2.95-3.04 s against 3.12-3.49 s
+            # (scripts/bench_gguf.py --model synth4x --quantize-only --device cuda --windows)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
-        window: list[tuple[int, torch.Tensor]] = []     # tensors read, not yet written
+        # tensors read, not yet written: (index, the source for the round trip, what is encoded:
+        # the source itself on the CPU, else its copy on the device)
+        window: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
 
         def flush() -> None:
             # quantize the window (one codec pass per type on an accelerator), then write its
             # tensors in order to every file and hand each to the round trip
             items, slots, slot_of = [], {}, {}     # slot_of[index, file]: that file's encoding
-            for index, t in window:
+            for index, _, x in window:
                 name = tensors[index].name
                 for f, (_, types, imatrix, _) in enumerate(writers):
                     qw = imatrix.get(name)
                     key = (index, types[name], None if qw is None else id(qw))
                     if key not in slots:
                         slots[key] = len(items)
-                        items.append((t, types[name], qw))
+                        items.append((x, types[name], qw))
                     slot_of[index, f] = slots[key]
             raws = encode_many(items, device)
             del items
-            for index, t in window:
+            for index, t, _ in window:
                 for f, (w, *_) in enumerate(writers):
                     w.write_tensor_data(raws[slot_of[index, f]].reshape(-1))
                 if watches:
@@ -307,10 +311,15 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             t = st.load() if ahead is None else ahead.take()
             if tuple(t.shape) != tuple(st.shape):
                 raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
-            check_finite(st.name, t)
-            window.append((index, t))
+            # off the CPU the NaN/Inf check runs on the device's copy (the CPU's cores are the
+            # checkers'): the 554M model's checks took 0.03-0.04 s of its stage there, on one
+            # H100 box, against 0.08 s (no round trip) to 0.15-0.19 s (beside it) on the CPU
+            # of another (by the code that became scripts/bench_gguf.py --stages)
+            x = t if device.type == "cpu" else t.to(device)
+            check_finite(st.name, x)
+            window.append((index, t if watches else None, x))
             size += t.numel()
-            del t
+            del t, x
             if size >= limit:
                 flush()
                 size = 0

@@ -92,14 +92,14 @@ WINDOW_ELEMENTS = 1 << 27
 #: imatrix) cost several times their check (:func:`codecs_leave_a_core`)
 LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 #: where windows are used (:func:`_window_elements`), load the next window's tensors in a
-#: background thread while one is encoded, written and handed to the round trip (the first
-#: window while gguf-py packs the metadata). The 554M random llama's Q4_K_M (`quantize gguf`,
-#: one H100 and 16 Xeon cores, `scripts/bench_gguf.py --model synth4x --quantize-only
-#: --windows`, two runs each): on CUDA without the round trip 1.50-1.53 s against 1.62-1.63 s
-#: without reading ahead, with it 2.10-2.45 s against 2.07-2.65 s (before the writer left the
-#: checkers their cores, when its waits for them were long, 2.8-3.0 s against 4.7-5.2 s); on
-#: the 16 cores with codec processes 10.1-10.5 s against 12.3-12.7 s with the round trip, no
-#: difference without it (8.2-9.3 s)
+#: background thread while one is encoded, written and handed to the round trip. The 554M
+#: random llama's Q4_K_M (`quantize gguf`, one H100 and 16 Xeon cores,
+#: `scripts/bench_gguf.py --model synth4x --quantize-only --windows`, two runs each): on CUDA
+#: without the round trip 1.50-1.53 s against 1.62-1.63 s without reading ahead, with it
+#: 2.10-2.45 s against 2.07-2.65 s (before the writer left the checkers their cores, when its
+#: waits for them were long, 2.8-3.0 s against 4.7-5.2 s); on the 16 cores with codec
+#: processes 10.1-10.5 s against 12.3-12.7 s with the round trip, no difference without it
+#: (8.2-9.3 s)
 READ_AHEAD = True
 
 
@@ -229,12 +229,6 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         raise ValueError("write_gguf_many: no files to write")
     watches: list = []      # round-trip watches (threads or checker processes)
     with contextlib.ExitStack() as closing:
-        size, limit = 0, _window_elements(device)
-        ahead = None
-        if limit and READ_AHEAD:
-            # started first: the first window is read while gguf-py packs the metadata
-            ahead = _ReadAhead(tensors, limit)
-            closing.callback(ahead.close)
         writers = []
         for path, kvs, types, *rest in files:
             imatrix = rest[0] if rest else None
@@ -307,6 +301,13 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             window.clear()
             trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
 
+        size, limit = 0, _window_elements(device)
+        ahead = None
+        if limit and READ_AHEAD:
+            # (only now: watch_round_trip may fork checker processes, which no thread of this
+            # process should be running beside)
+            ahead = _ReadAhead(tensors, limit)
+            closing.callback(ahead.close)
         for index, st in enumerate(progress(tensors)):
             t = st.load() if ahead is None else ahead.take()
             if tuple(t.shape) != tuple(st.shape):

@@ -33,8 +33,9 @@ round trip under the writer's read-ahead and window settings (``gguf_file.READ_A
 on the CPU, with the codecs forced to leave the round trip's checker its core or to keep every
 core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's own CPU ops
 (NaN/Inf checks, copies into the checkers' staging areas) in as many threads as there are
-cores instead of leaving the checker processes theirs, each twice, alternating, after a
-warm-up run: what each setting is worth on this machine.
+cores instead of leaving the checker processes theirs, and with the checkers' staging areas
+(``gguf_roundtrip.STAGING_BYTES`` together) a quarter and half their size, each twice,
+alternating, after a warm-up run: what each setting is worth on this machine.
 
 `--stages` adds, in one more process, quantize+write of the same plan without and with the
 round trip, each twice after a warm-up run, with the seconds spent in each of its parts:
@@ -314,6 +315,7 @@ gguf_roundtrip.start_checkers(dev)
 plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
 lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
+staging_default = gguf_roundtrip.STAGING_BYTES
 rule, taken = gguf_file.codecs_leave_a_core, gguf_file.cores_taken
 leaves = rule([(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors)
 
@@ -350,6 +352,16 @@ for verify in (False, True):
                      True, *defaults, leave=leave)
         elif verify:
             once("round trip, the writer's CPU ops on every core", True, *defaults, leave=False)
+        if verify:
+            # the checkers' staging areas (STAGING_BYTES together), smaller: new checkers
+            for staging in (staging_default // 4, staging_default // 2):
+                gguf_roundtrip.close_checkers()
+                gguf_roundtrip.STAGING_BYTES = staging
+                gguf_roundtrip.start_checkers(dev)
+                once(f"round trip, staging areas of {staging >> 20} MiB together", True, *defaults)
+            gguf_roundtrip.close_checkers()
+            gguf_roundtrip.STAGING_BYTES = staging_default
+            gguf_roundtrip.start_checkers(dev)
 """
 
 

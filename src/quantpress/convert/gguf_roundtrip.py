@@ -394,15 +394,15 @@ VERIFY_WORKERS = 8
 #: feed-forward matrices each). Each checker process has one: shared memory that it and this
 #: process map (inherited when it is forked), through which the writer hands it its source
 #: tensors: one copy into pages the checker touched at its start, not a new shared-memory
-#: segment per tensor (which cost SmolLM2's writer 0.24 s of page faults and set-up, timed
-#: by hand). It is also the backlog: the writer waits while no checker's area can hold the
-#: next source. Checks cost unlike their quantization, and a checker's first check waits for
-#: its parse of the file (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores
-#: (timed by hand, `convert hf-to-gguf` with the limit changed) took 3.1 s when the writer
-#: waited at two checks waiting, 2.6 s at 2^25 elements waiting, 2.2 s at 2^26 (128 MiB in
-#: float16: its 28M-element embedding and what is quantized during the parse). A larger source goes alone, in shared memory of its own, at most one per checker
-#: at a time. (An area shared by several checkers would free its room in order, so a slow
-#: check would hold back the room of the checks after it.)
+#: segment per tensor (whose fresh pages each source would fault in). It is also the
+#: backlog: the writer waits while no checker's area can hold the next source. Checks cost
+#: unlike their quantization, and a checker's first check waits for its parse of the file
+#: (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 2.37-2.49 s with
+#: 64 MiB, 2.14-2.15 s with 128 MiB, 1.88-2.16 s with these 256 MiB (its 28M-element float16
+#: embedding and what is quantized during the parse; `scripts/bench_gguf.py --quantize-only
+#: --windows`, two runs each). A larger source goes alone, in shared memory of its own, at
+#: most one per checker at a time. (An area shared by several checkers would free its room
+#: in order, so a slow check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started

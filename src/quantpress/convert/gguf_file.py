@@ -266,8 +266,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             # checkers for the cores: the 554M random llama's Q4_K_M on an H100 box with 16
             # cores took 3.20-3.58 s with the round trip that way against 2.07-2.65 s leaving
             # the checkers theirs; with the checks on the device, on a second box of the kind
-            # whose checkers set the pace, 2.95-3.04 s against 3.12-3.49 s
-            # (scripts/bench_gguf.py --model synth4x --quantize-only --device cuda --windows)
+            # whose checkers set the pace, 2.95-3.04 s on every core against 3.12-3.49 s
+            # leaving them theirs, no gain there (scripts/bench_gguf.py --model synth4x
+            # --quantize-only --device cuda --windows, two runs each)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         # tensors read, not yet written: (index, the source for the round trip, what is encoded:
         # the source itself on the CPU, else its copy on the device)

@@ -185,7 +185,7 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
         # scripts/micro_figures.py --dequantize)
         diff = ours.new_zeros(()) if torch.equal(ref_bits, our_bits) else (ref_bits != our_bits).sum()
         x = src[r0:r0 + step].to(device=device, dtype=torch.float32).reshape(-1)
-        e = ours - x
+        e = torch.sub(ours, x, out=ours)    # (ours is this chunk's own, compared above)
         lo, hi = torch.aminmax(e)
         d, se_c, sig_c, lo, hi = torch.stack([diff.to(torch.float64), torch.dot(e, e).double(),
                                               torch.dot(x, x).double(), lo.double(), hi.double()]).tolist()

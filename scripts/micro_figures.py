@@ -43,6 +43,10 @@ With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with
 nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` (their
 weights' exact square roots: nanoseconds per element).
 
+With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
+``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
+alternating (wall seconds of the process).
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -429,6 +433,31 @@ def weighted_codecs() -> None:
     print(f"sqrtf of {v.numel()} values: {best_ms(lambda: sqrtf(v), n=20) * 1e6 / v.numel():6.2f} ns/element")
 
 
+def exit_freeze() -> None:
+    """``convert hf-to-gguf`` of SmolLM2 to Q4_K_M, three times each way, alternating: as the
+    console command ends it (``cli.common.exit_with``: the run's objects frozen out of the
+    garbage collector before ``sys.exit``) and with a plain ``sys.exit`` of the same
+    ``main``: wall seconds of the process, from its start to its exit."""
+    from quantpress import assets
+
+    model = assets.smollm2_dir()
+    with tempfile.TemporaryDirectory() as d:
+        argv = ["hf-to-gguf", str(model), "--policy", "Q4_K_M", "-o", str(Path(d) / "x.gguf"),
+                "--force", "--quiet"]
+        ways = {"exit_with (gc.freeze)": "from quantpress.cli import common, convert_main; "
+                                         f"common.exit_with(convert_main.main({argv!r}))",
+                "plain sys.exit": "import sys; from quantpress.cli import convert_main; "
+                                  f"sys.exit(convert_main.main({argv!r}))"}
+        took: dict[str, list[float]] = {k: [] for k in ways}
+        for _ in range(3):
+            for label, code in ways.items():
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+                took[label].append(time.perf_counter() - t)
+    for label, ts in took.items():
+        print(f"convert hf-to-gguf SmolLM2 Q4_K_M, {label:22s} {min(ts):5.2f}-{max(ts):5.2f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF with a large vocabulary (default: SmolLM2 "
@@ -442,6 +471,8 @@ def main() -> int:
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
     ap.add_argument("--weighted", action="store_true",
                     help="only the importance-weighted codecs' times and sqrtf's")
+    ap.add_argument("--exit", action="store_true",
+                    help="only the console commands' exit (gc.freeze) against a plain sys.exit")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
@@ -458,6 +489,9 @@ def main() -> int:
         return 0
     if args.weighted:
         weighted_codecs()
+        return 0
+    if args.exit:
+        exit_freeze()
         return 0
     snr_floor()
     codec_threads()

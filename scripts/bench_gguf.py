@@ -299,10 +299,10 @@ for run in range(2):
 """
 
 
-#: ``--windows``: quantize+write of an F16 GGUF's plan under the writer's read-ahead and window
-#: settings, with and without the round trip, in one process (argv as NO_ROUND_TRIP's)
-WINDOWS = """
-import sys, time, torch
+#: the set-up of ``--windows`` and ``--stages`` (argv as NO_ROUND_TRIP's): as GGUFTarget.prepare,
+#: the heap, the checkers, the plan, then on the CPU the codec processes (``lanes``)
+WITH_CHECKERS = """
+import collections, sys, time, torch
 from pathlib import Path
 from quantpress.convert import gguf_file, gguf_roundtrip
 from quantpress.quantize.ggml.processes import start_codec_processes
@@ -310,10 +310,16 @@ from quantpress.runtime import bound_heap
 from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
 src, policy, dev, out, im = sys.argv[1:6]
 dev = torch.device(dev)
-bound_heap()                        # as GGUFTarget.prepare: heap, checkers, plan, codec processes
+bound_heap()
 gguf_roundtrip.start_checkers(dev)
 plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
 lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
+"""
+
+
+#: ``--windows``: quantize+write of an F16 GGUF's plan under the writer's read-ahead and window
+#: settings, with and without the round trip, in one process
+WINDOWS = WITH_CHECKERS + """
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
 staging_default = gguf_roundtrip.STAGING_BYTES
 rule, taken = gguf_file.codecs_leave_a_core, gguf_file.cores_taken
@@ -365,24 +371,10 @@ for verify in (False, True):
 """
 
 
-#: ``--stages``: quantize+write of an F16 GGUF's plan, the seconds of each part of it (argv as
-#: NO_ROUND_TRIP's)
-STAGES = """
-import collections, sys, time, torch
-from pathlib import Path
+#: ``--stages``: quantize+write of an F16 GGUF's plan, the seconds of each part of it
+STAGES = WITH_CHECKERS + """
 from gguf import GGUFWriter
-from quantpress.convert import gguf_file, gguf_roundtrip
 from quantpress.quantize import ggml
-from quantpress.quantize.ggml.processes import start_codec_processes
-from quantpress.runtime import bound_heap
-from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
-src, policy, dev, out, im = sys.argv[1:6]
-dev = torch.device(dev)
-bound_heap()                        # as GGUFTarget.prepare
-gguf_roundtrip.start_checkers(dev)
-plan = plan_from_gguf(Path(src), policy, GGUFOptions(policy=policy, imatrix=im or None))
-if dev.type == "cpu":
-    start_codec_processes()
 spent, labels = collections.defaultdict(float), []
 
 def sync():

@@ -425,9 +425,9 @@ def checker_limit() -> int:
 
 def cores_taken(watches: list) -> int:
     """The cores these watches' checker processes take (their ``checkers``: empty for a
-    :class:`RoundTripWatch`, whose checks run in threads), which a writer on the CPU may leave
-    them (:func:`quantpress.convert.gguf_file.write_gguf_many`). Watches of several files may
-    share checkers (counted once)."""
+    :class:`RoundTripWatch`, whose checks run in threads), which the writer's torch ops on the
+    CPU may leave them (:func:`quantpress.convert.gguf_file.write_gguf_many`). Watches of
+    several files may share checkers (counted once)."""
     return len({id(c) for w in watches for c in w.checkers})
 
 

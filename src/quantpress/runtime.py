@@ -278,3 +278,80 @@ def fork_worker(target, area: SharedArea, inherited: list, name: str):
     proc.start()
     child.close()
     return proc, parent
+
+
+class ForkedCall:
+    """``fn(*args)`` computed in a forked process while this one goes on (:func:`fork_call`).
+
+    :meth:`ready` polls without blocking; :meth:`result` waits and returns the value, or
+    raises the call's exception: as it was when it survives pickling unchanged (class and
+    message), else an :class:`~quantpress.errors.InputError` with its message for bad input,
+    a RuntimeError for anything else; a RuntimeError when the process ended without an
+    answer (killed, out of memory)."""
+
+    def __init__(self, proc, conn):
+        self._proc, self._conn, self._answer = proc, conn, None
+
+    @property
+    def pid(self) -> int:
+        """The forked process's id."""
+        return self._proc.pid
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return at once."""
+        if self._answer is None:
+            try:
+                if not self._conn.poll():
+                    return False
+            except (EOFError, OSError):
+                pass
+            self._receive()
+        return True
+
+    def _receive(self) -> None:
+        try:
+            self._answer = self._conn.recv()
+        except (EOFError, OSError):
+            self._answer = ("err", RuntimeError(
+                f"the forked {self._proc.name} ended without an answer (exit code {self._proc.exitcode})"))
+        self._conn.close()
+        self._proc.join()
+
+    def result(self):
+        """The call's value (waits for it); its exception is raised here."""
+        if self._answer is None:
+            self._receive()
+        kind, value = self._answer
+        if kind == "err":
+            raise value
+        return value
+
+
+def _run_call(conn, fn, args) -> None:
+    try:
+        answer = ("ok", fn(*args))
+    except BaseException as e:              # noqa: BLE001 -- every failure goes back
+        try:
+            same = pickle.loads(pickle.dumps(e))
+            ok = type(same) is type(e) and str(same) == str(e)
+        except Exception:                   # noqa: BLE001
+            ok = False
+        if not ok:
+            e = (InputError if isinstance(e, InputError) else RuntimeError)(str(e))
+        answer = ("err", e)
+    conn.send(answer)
+    conn.close()
+
+
+def fork_call(fn, *args, name: str = "quantpress-call") -> ForkedCall:
+    """Compute ``fn(*args)`` in a forked daemonic process (a copy of this one: it imports
+    nothing it does not need) and return its :class:`ForkedCall`; the value and any exception
+    come back pickled through a pipe. For work that holds the interpreter (imports, parsing)
+    while this process computes with torch: fork it only while this process runs no other
+    thread. OSError when the process cannot be started."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_call, args=(child, fn, args), daemon=True, name=name)
+    proc.start()
+    child.close()
+    return ForkedCall(proc, parent)

@@ -181,6 +181,31 @@ def load_hf_config(model_dir: Path | str) -> dict:
     except Exception:  # same fallback as the reference: plain JSON
         with open(cfg_path, encoding="utf-8") as f:
             config = json.load(f)
+    return _merged_text_config(config)
+
+
+def raw_hf_config(model_dir: Path | str) -> dict:
+    """:func:`load_hf_config` without transformers: ``config.json`` as it is (the reference's
+    fallback), with the same ``text_config`` merge. Keys that transformers' config class
+    would fill with defaults are missing, and no value is normalized; used only where the
+    result is checked against :func:`load_hf_config`'s later.
+
+    Raises:
+        InputError: ``config.json`` is missing or is not a JSON object.
+    """
+    cfg_path = Path(model_dir) / "config.json"
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{cfg_path}: cannot read it as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{cfg_path}: expected a JSON object")
+    return _merged_text_config(config)
+
+
+def _merged_text_config(config: dict) -> dict:
+    # TextModel.__init__: a multimodal config's text part merged over its top level
     for alias in ("llm_config", "lm_config", "language_config", "lfm"):
         if alias in config:
             config["text_config"] = config[alias]

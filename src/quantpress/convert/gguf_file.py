@@ -81,6 +81,44 @@ def encode_many(items: list[tuple[torch.Tensor, str, torch.Tensor | None]],
 GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor]])
 
 
+class PlanChanged(Exception):
+    """The metadata computed beside the writing (:class:`PendingKVs`) came with a tensor side
+    other than the one the writer was given: nothing was written; the caller plans again."""
+
+
+class PendingKVs:
+    """A file's KVs still being computed elsewhere (a forked process,
+    :func:`quantpress.runtime.fork_call`), for :func:`write_gguf_many`, which quantizes the
+    first tensors while it waits.
+
+    ``call``: a :class:`quantpress.runtime.ForkedCall` whose value is ``(key, kvs)``;
+    ``key``: what the writer's tensors (names, shapes, transforms) were derived from, as the
+    caller computed it without the metadata: :meth:`get` raises :class:`PlanChanged` when the
+    call's key differs. ``pending + more`` appends KVs to the ones computed."""
+
+    def __init__(self, call, key, extra: tuple = ()):
+        self.call, self.key, self.extra = call, key, tuple(extra)
+
+    def __add__(self, more) -> "PendingKVs":
+        return PendingKVs(self.call, self.key, self.extra + tuple(more))
+
+    def ready(self) -> bool:
+        """Whether :meth:`get` would return at once."""
+        return self.call.ready()
+
+    def get(self) -> list[KV]:
+        """The KVs, in order (waits for them). Raises what the computation raised
+        (InputError for bad input), or :class:`PlanChanged`."""
+        key, kvs = self.call.result()
+        if key != self.key:
+            raise PlanChanged("the metadata's tensor side differs from the writer's")
+        return list(kvs) + list(self.extra)
+
+
+#: output bytes :func:`write_gguf_many` may quantize ahead of its header while a file's KVs
+#: are pending (:class:`PendingKVs`): held in memory until the header is written
+AHEAD_OF_HEADER_BYTES = 256 << 20
+
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
 #: elements: a window is written once it holds this many (or the end is reached), so host
 #: memory holds about this much source data beyond the largest tensor, twice with the next
@@ -188,7 +226,10 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     source tensor once (no rename; callers use temporary paths).
 
     ``files``: ``(path, kvs, types)`` or ``(path, kvs, types, imatrix)`` per output file;
-    ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order;
+    ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order, or
+    a :class:`PendingKVs` still being computed: then the first tensors are read and quantized
+    (in memory, up to :data:`AHEAD_OF_HEADER_BYTES` of output) until it is there, and only
+    then is the header written;
     ``types[name]`` the ggml type name of every tensor in that file; ``imatrix[name]`` the
     importance weights of a tensor quantized with them (:func:`encode`). ``tensors`` in output order, the same order in every
     file; each ``load()`` returns a float tensor (any float dtype, CPU) of ``shape``.
@@ -220,7 +261,8 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the order of
     ``files``; else None. RuntimeError when a checker process dies.
 
-    Raises ValueError for no files; InputError naming the tensor when a loaded tensor's
+    Raises ValueError for no files; :class:`PlanChanged` (nothing written) or what its
+    computation raised from a :class:`PendingKVs`; InputError naming the tensor when a loaded tensor's
     shape is not ``shape`` or it holds NaN/Inf (the source weights are corrupt); KeyError
     when a ``types`` lacks a tensor. Every file opened is closed, on error too (the partial
     files are left for the caller to remove).
@@ -234,8 +276,6 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             imatrix = rest[0] if rest else None
             w = GGUFWriter(str(path), arch)
             closing.callback(w.close)  # opens its file in write_header_to_file
-            for key, value, vtype, sub in kvs:
-                w.add_key_value(key, value, vtype, sub_type=sub)
             data_bytes = 0
             for st in tensors:
                 gt = ggml.get(types[st.name])
@@ -246,6 +286,48 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                                   raw_dtype=GGMLQuantizationType[gt.name])
                 data_bytes += GGUFWriter.ggml_pad(math.prod(st.shape[:-1]) * rb, w.data_alignment)
             writers.append((w, types, imatrix or {}, data_bytes))
+
+        def encodings(entries) -> dict[tuple[int, int], np.ndarray]:
+            # each (index, source) of a window encoded once per distinct type and imatrix:
+            # {(index, file): its uint8 [rows, row_bytes]}
+            items, slots, slot_of = [], {}, {}
+            for index, x in entries:
+                name = tensors[index].name
+                for f, (_, types, imatrix, _) in enumerate(writers):
+                    qw = imatrix.get(name)
+                    key = (index, types[name], None if qw is None else id(qw))
+                    if key not in slots:
+                        slots[key] = len(items)
+                        items.append((x, types[name], qw))
+                    slot_of[index, f] = slots[key]
+            raws = encode_many(items, device)
+            return {k: raws[slot] for k, slot in slot_of.items()}
+
+        # encodings made before the header, while a file's KVs are computed elsewhere: the
+        # first tensors, in order, until the KVs are there or AHEAD_OF_HEADER_BYTES are held
+        ahead_of_header: dict[tuple[int, int], np.ndarray] = {}
+        pending = [kvs for _, kvs, *_ in files if isinstance(kvs, PendingKVs)]
+        held = 0
+        with intra_op_threads(max(1, torch.get_num_threads() - 1) if pending else None):
+            # (the computation of the KVs keeps a core)
+            for index, st in enumerate(tensors):
+                if not pending or held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending):
+                    break
+                try:
+                    t = st.load()
+                    if tuple(t.shape) != tuple(st.shape):
+                        break
+                    x = t if device.type == "cpu" else t.to(device)
+                    check_finite(st.name, x)
+                    done = encodings([(index, x)])
+                except Exception:   # noqa: BLE001 -- the writing below meets it again and reports it
+                    break
+                ahead_of_header.update(done)
+                held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
+                del t, x, done
+        for (w, *_), (_, kvs, *_) in zip(writers, files):
+            for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
+                w.add_key_value(key, value, vtype, sub_type=sub)
         for (w, types, _, data_bytes), (path, *_) in zip(writers, files):
             w.write_header_to_file()
             w.write_kv_data_to_file()
@@ -275,23 +357,14 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         window: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
 
         def flush() -> None:
-            # quantize the window (one codec pass per type on an accelerator), then write its
-            # tensors in order to every file and hand each to the round trip
-            items, slots, slot_of = [], {}, {}     # slot_of[index, file]: that file's encoding
-            for index, _, x in window:
-                name = tensors[index].name
-                for f, (_, types, imatrix, _) in enumerate(writers):
-                    qw = imatrix.get(name)
-                    key = (index, types[name], None if qw is None else id(qw))
-                    if key not in slots:
-                        slots[key] = len(items)
-                        items.append((x, types[name], qw))
-                    slot_of[index, f] = slots[key]
-            raws = encode_many(items, device)
-            del items
+            # quantize the window (one codec pass per type on an accelerator; tensors quantized
+            # ahead of the header are not quantized again), then write its tensors in order to
+            # every file and hand each to the round trip
+            raws = encodings([(index, x) for index, _, x in window if (index, 0) not in ahead_of_header])
             for index, t, _ in window:
                 for f, (w, *_) in enumerate(writers):
-                    w.write_tensor_data(raws[slot_of[index, f]].reshape(-1))
+                    raw = ahead_of_header.pop((index, f), None)
+                    w.write_tensor_data((raws[index, f] if raw is None else raw).reshape(-1))
                 if watches:
                     for w, *_ in writers:
                         for f in w.fout:

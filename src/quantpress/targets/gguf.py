@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
-from quantpress.convert.gguf_file import codecs_leave_a_core, write_gguf_many
+from quantpress.convert.gguf_file import PendingKVs, PlanChanged, codecs_leave_a_core, write_gguf_many
 from quantpress.convert.gguf_roundtrip import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
                                                start_checkers)
 from quantpress.convert.imatrix_file import Importance, load_importance
@@ -38,7 +39,7 @@ from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.processes import start_codec_processes
-from quantpress.runtime import bound_heap
+from quantpress.runtime import bound_heap, fork_call
 from quantpress.targets.base import Run, Summary, Target
 
 #: ggml types of an input GGUF that ``quantize gguf`` accepts
@@ -112,14 +113,15 @@ class GGUFOptions:
 
 @dataclass
 class GGUFPlan:
-    """What will be written: ``arch``, ``kvs`` (after ``general.architecture``, in order),
+    """What will be written: ``arch``, ``kvs`` (after ``general.architecture``, in order; a
+    ``PendingKVs`` while they are computed beside, :func:`plan_from_hf` with ``overlap``),
     ``tensors`` in output order, ``types`` (GGUF tensor name → ggml type name), ``imatrix``
     (GGUF tensor name → importance weights float32 [n_mat · ne0] for the tensors quantized
     with them), ``base_types`` (the policy's types without the overrides) and the
     :class:`quantpress.convert.imatrix_file.Importance` used, if any."""
 
     arch: str
-    kvs: list[tuple]
+    kvs: list[tuple] | PendingKVs
     tensors: list[SourceTensor]
     types: dict[str, str]
     imatrix: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -140,17 +142,70 @@ def _in_quantize_order(tensors: list[SourceTensor]) -> list[SourceTensor]:
     return sorted(tensors, key=lambda t: order[t.name])
 
 
-def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = None) -> GGUFPlan:
+def _metadata_kvs(model_dir: Path, cfg: dict, arch: str, ftype: int) -> list[tuple]:
+    return (gguf_arch.model_metadata(cfg, model_dir, arch, ftype)
+            + gguf_tokenizer.tokenizer_metadata(model_dir, cfg, arch))
+
+
+def _tensor_side(model: HFModel, cfg: dict, arch: str) -> tuple:
+    """Everything the tensors of an HF plan take from the config: the architecture, the GGUF
+    names of the checkpoint's tensors, the generated tensors (names and bytes), the head
+    counts of the Q/K permutation and the policy's model parameters."""
+    n_layers = cfg["num_hidden_layers"]
+    names = tuple(gguf_arch.gguf_tensor_name(n, arch, n_layers=n_layers)
+                  for n in model.names if not gguf_arch.is_skipped_tensor(n))
+    generated = tuple((name, tuple(t.shape), t.numpy().tobytes())
+                      for name, t in gguf_arch.generated_tensors(cfg, arch))
+    heads = (gguf_arch.first_present(cfg, ["n_heads", "num_attention_heads"]),
+             gguf_arch.first_present(cfg, ["n_kv_heads", "num_key_value_heads"]))
+    params = (n_layers, cfg["num_attention_heads"], cfg.get("num_key_value_heads"),
+              cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return arch, names, generated, heads, params
+
+
+def _hf_metadata(model: HFModel, ftype: int) -> tuple[tuple, list[tuple]]:
+    # in the forked process of plan_from_hf(overlap=True): transformers' config and tokenizer
+    torch.set_num_threads(1)
+    cfg = gguf_arch.load_hf_config(model.dir)
+    arch = gguf_arch.gguf_arch(cfg)
+    return _tensor_side(model, cfg, arch), _metadata_kvs(model.dir, cfg, arch, ftype)
+
+
+def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = None, *,
+                 overlap: bool = False) -> GGUFPlan:
     """The plan of ``convert_hf_to_gguf.py`` + ``llama-quantize`` for an HF llama / qwen2 /
     qwen3 directory: metadata from transformers' parsed config and the tokenizer, tensors
     renamed and transformed as the converter does (Q/K permutation for llama), generated
     tensors (rope factors) first. Raises InputError for an invalid directory, config or
-    tokenizer, an unsupported architecture or an unknown tensor (naming it)."""
+    tokenizer, an unsupported architecture or an unknown tensor (naming it).
+
+    ``overlap``: where this process runs no other thread, compute the metadata (transformers'
+    import, config and tokenizer: most of the time before any tensor is read) in a forked
+    process (:func:`quantpress.runtime.fork_call`) and plan the tensors from ``config.json``
+    as it is (:func:`quantpress.convert.gguf_arch.raw_hf_config`); the plan's ``kvs`` is then
+    a :class:`quantpress.convert.gguf_file.PendingKVs`, which the writer waits for while it
+    quantizes the first tensors, and which raises ``PlanChanged`` if transformers' config
+    gives the tensors anything else (the caller plans again without ``overlap``). Errors of
+    the metadata are raised by the writer then, as they would be here."""
     model = HFModel(model_dir)  # validates config.json and the safetensors files
-    cfg = gguf_arch.load_hf_config(model.dir)
-    arch = gguf_arch.gguf_arch(cfg)
-    kvs = (gguf_arch.model_metadata(cfg, model.dir, arch, gguf_policy.ftype_id(policy))
-           + gguf_tokenizer.tokenizer_metadata(model.dir, cfg, arch))
+    ftype = gguf_policy.ftype_id(policy)
+    kvs = None
+    if overlap and threading.active_count() == 1:
+        try:
+            cfg = gguf_arch.raw_hf_config(model.dir)
+            arch = gguf_arch.gguf_arch(cfg)
+            side = _tensor_side(model, cfg, arch)
+        except Exception:   # noqa: BLE001 -- planned below with transformers, which reports it
+            side = None
+        if side is not None:
+            try:
+                kvs = PendingKVs(fork_call(_hf_metadata, model, ftype, name="quantpress-metadata"), side)
+            except OSError:
+                kvs = None
+    if kvs is None:
+        cfg = gguf_arch.load_hf_config(model.dir)
+        arch = gguf_arch.gguf_arch(cfg)
+        kvs = _metadata_kvs(model.dir, cfg, arch, ftype)
     tensors = [SourceTensor(name, tuple(t.shape), (lambda t=t: t))
                for name, t in gguf_arch.generated_tensors(cfg, arch)]
     for hf_name in model.names:
@@ -282,7 +337,7 @@ def finish_plan(plan: GGUFPlan, params: gguf_policy.ModelParams, options: GGUFOp
                                  f"tensor size {ne0 * n_mat} for {t.name} (an imatrix of another model?)")
             plan.imatrix[t.name] = torch.from_numpy(w)
         plan.importance = imp
-        plan.kvs = list(plan.kvs) + [
+        plan.kvs = plan.kvs + [
             (k, v, GGUFValueType.STRING if kind == "str" else GGUFValueType.UINT32, None)
             for k, v, kind in imp.kvs()]
     for t in quantized:
@@ -305,7 +360,10 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             bound_heap()                    # before the checkers are forked: they inherit it
             start_checkers(self.device)     # the round trip's processes start while the plan is made
             p, o = self.source.path, self.options
-            self.plan = plan = plan_from_gguf(p, o.policy, o) if p.is_file() else plan_from_hf(p, o.policy, o)
+            # from an HF directory transformers' config and tokenizer are read in a forked
+            # process while the writer quantizes the first tensors (plan_from_hf's overlap)
+            self.plan = plan = (plan_from_gguf(p, o.policy, o) if p.is_file()
+                                else plan_from_hf(p, o.policy, o, overlap=True))
             if self.device.type == "cpu" and not codecs_leave_a_core(
                     [(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors):
                 start_codec_processes()     # the search codecs' slices beside this thread's
@@ -329,7 +387,10 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         trip runs beside the writing (``write_gguf_many(verify=True)``, checking each tensor
         against the source tensor just read); :meth:`verify` then reports it, and each run
         gets the round trip's checking seconds (wall time) as stage :attr:`verify_stage`, the stage
-        :meth:`verify`'s report is then timed in too.
+        :meth:`verify`'s report is then timed in too. A group whose plans came from
+        ``config.json`` as it is and which transformers' config changes (``PlanChanged``,
+        :func:`plan_from_hf` with ``overlap``; nothing is written then) is planned again
+        without the overlap and written.
 
         Raises ValueError when the lists differ in length or are empty, a target is not
         prepared, the targets are not of one source path, or the plans of a group differ in
@@ -378,11 +439,15 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                     bar.update(1)
             try:
                 for idx in groups.values():
-                    first = targets[idx[0]]
-                    files = [(tmps[i], targets[i].plan.kvs, targets[i].plan.types, targets[i].plan.imatrix)
-                             for i in idx]
-                    trips = write_gguf_many(files, first.plan.arch, first.plan.tensors, first.device,
-                                            progress=progress, verify=True)
+                    try:
+                        trips = cls._write_group([targets[i] for i in idx], [tmps[i] for i in idx], progress)
+                    except PlanChanged:
+                        # transformers' config gave the tensors another plan than config.json
+                        # as it is (plan_from_hf's overlap): nothing was written; plan again
+                        for i in idx:
+                            t = targets[i]
+                            t.plan = plan_from_hf(t.source.path, t.options.policy, t.options)
+                        trips = cls._write_group([targets[i] for i in idx], [tmps[i] for i in idx], progress)
                     for i, trip in zip(idx, trips):
                         targets[i].roundtrip = trip
             finally:
@@ -393,6 +458,13 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
         for t, r in zip(targets, runs):
             key = t.verify_stage
             r.stages[key] = r.stages.get(key, 0.0) + t.roundtrip.seconds
+
+    @staticmethod
+    def _write_group(targets: list["GGUFTarget"], tmps: list[Path], progress) -> list[RoundTrip]:
+        first = targets[0].plan
+        files = [(tmp, t.plan.kvs, t.plan.types, t.plan.imatrix) for t, tmp in zip(targets, tmps)]
+        return write_gguf_many(files, first.arch, first.tensors, targets[0].device,
+                               progress=progress, verify=True)
 
     roundtrip: RoundTrip | None = None
 

@@ -1,0 +1,113 @@
+"""`convert hf-to-gguf` with the metadata computed in a forked process while the first tensors
+are quantized (plan_from_hf(overlap=True), PendingKVs in write_gguf_many): the same bytes as
+planning everything first, a plan that transformers' config changes is made again, and the
+metadata's errors reach the user as before."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import synth
+from quantpress.cli.convert_main import main as convert_main
+from quantpress.convert import gguf_file
+from quantpress.convert.gguf_file import PendingKVs, write_gguf_many
+from quantpress.convert.gguf_tokenizer import UnknownPreTokenizer
+from quantpress.errors import EXIT_BAD_INPUT, InputError
+from quantpress.runtime import fork_call
+from quantpress.targets import gguf as gguf_target
+
+
+@pytest.fixture
+def single_thread(monkeypatch):
+    """plan_from_hf overlaps only in a process without other threads; the suite's process
+    may hold idle codec-pool threads from earlier tests, which the forked process never uses."""
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+
+
+def _write(plan, path):
+    write_gguf_many([(path, plan.kvs, plan.types, plan.imatrix)], plan.arch, plan.tensors,
+                    gguf_target.torch.device("cpu"), verify=False)
+    return path.read_bytes()
+
+
+def test_overlapped_plan_writes_the_same_bytes(tiny_llama_dir, tmp_path, single_thread, monkeypatch):
+    serial = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M")
+    assert isinstance(serial.kvs, list)
+    # the writer quantizes ahead until the KVs are there or its budget is held: keep them
+    # "not ready" and the budget at a few tensors so that both ends are exercised
+    monkeypatch.setattr(PendingKVs, "ready", lambda self: False)
+    monkeypatch.setattr(gguf_file, "AHEAD_OF_HEADER_BYTES", 300_000)
+    encoded, at_header = [], []
+    real_encode, real_get = gguf_file.encode_many, PendingKVs.get
+    monkeypatch.setattr(gguf_file, "encode_many", lambda items, device: encoded.extend(items) or real_encode(items, device))
+    monkeypatch.setattr(PendingKVs, "get", lambda self: at_header.append(len(encoded)) or real_get(self))
+    plan = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M", overlap=True)
+    assert isinstance(plan.kvs, PendingKVs)
+    assert plan.types == serial.types and [t.name for t in plan.tensors] == [t.name for t in serial.tensors]
+    ours = _write(plan, tmp_path / "overlap.gguf")
+    n_tensors = len(serial.tensors)
+    assert at_header and 0 < at_header[0] < n_tensors      # some, not all, quantized ahead
+    assert len(encoded) == n_tensors                       # and none quantized twice
+    assert ours == _write(serial, tmp_path / "serial.gguf")
+
+
+def test_plan_changed_by_transformers_is_made_again(smollm2_dir, tmp_path, single_thread, monkeypatch):
+    # a llama config.json without num_key_value_heads: transformers' LlamaConfig fills it in
+    # (= num_attention_heads), config.json as it is has none, so the tensor sides differ
+    d = synth.make_model(tmp_path / "mha", "llama", smollm2_dir, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    plans = []
+    real = gguf_target.plan_from_hf
+    monkeypatch.setattr(gguf_target, "plan_from_hf", lambda *a, **k: plans.append(k.get("overlap", False)) or real(*a, **k))
+    out = tmp_path / "o.gguf"
+    assert convert_main(["hf-to-gguf", str(d), "--policy", "Q4_K_M", "-o", str(out), "--quiet"]) == 0
+    assert plans == [True, False]        # overlapped, PlanChanged, planned again
+    assert out.read_bytes() == _write(real(d, "Q4_K_M"), tmp_path / "serial.gguf")
+
+
+def test_metadata_errors_are_bad_input_and_leave_nothing(tiny_llama_dir, tmp_path, single_thread, capsys):
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            os.symlink(f, d / f.name)
+    out = tmp_path / "o.gguf"
+    assert convert_main(["hf-to-gguf", str(d), "--policy", "Q4_K_M", "-o", str(out), "--quiet"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "tokenizer" in err[0] and str(d) in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def _raise_unknown(path):
+    raise UnknownPreTokenizer("0123abcd", path)
+
+
+def _raise_value():
+    raise ValueError("plain")
+
+
+def test_forked_call_answers_and_errors(tmp_path):
+    call = fork_call(sorted, [3, 1, 2])
+    assert call.result() == [1, 2, 3] and call.ready()
+    # an exception that does not survive pickling as it is (UnknownPreTokenizer's __init__
+    # takes the hash) comes back as InputError with its message: still bad input
+    with pytest.raises(InputError) as e:
+        fork_call(_raise_unknown, tmp_path).result()
+    assert "0123abcd" in str(e.value) and str(tmp_path) in str(e.value)
+    assert str(e.value) == str(UnknownPreTokenizer("0123abcd", tmp_path))
+    with pytest.raises(ValueError, match="plain"):
+        fork_call(_raise_value).result()
+    # a process that dies without answering
+    call = fork_call(time.sleep, 30)
+    assert not call.ready()
+    os.kill(call.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="without an answer"):
+        call.result()

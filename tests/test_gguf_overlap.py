@@ -5,6 +5,7 @@ metadata's errors reach the user as before."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -94,6 +95,14 @@ def _raise_value():
     raise ValueError("plain")
 
 
+def _fork_from_daemon(conn):
+    try:
+        fork_call(sorted, [2, 1])
+        conn.send("started")
+    except OSError as e:
+        conn.send(f"OSError: {e}")
+
+
 def test_forked_call_answers_and_errors(tmp_path):
     call = fork_call(sorted, [3, 1, 2])
     assert call.result() == [1, 2, 3] and call.ready()
@@ -105,6 +114,14 @@ def test_forked_call_answers_and_errors(tmp_path):
     assert str(e.value) == str(UnknownPreTokenizer("0123abcd", tmp_path))
     with pytest.raises(ValueError, match="plain"):
         fork_call(_raise_value).result()
+    # a daemonic process (the batch's side lane) may not have children: OSError, which
+    # plan_from_hf takes as "plan without the overlap"
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_fork_from_daemon, args=(there,), daemon=True)
+    p.start()
+    assert here.recv().startswith("OSError")
+    p.join()
     # a process that dies without answering
     call = fork_call(time.sleep, 30)
     assert not call.ready()

@@ -348,7 +348,10 @@ def fork_call(fn, *args, name: str = "quantpress-call") -> ForkedCall:
     nothing it does not need) and return its :class:`ForkedCall`; the value and any exception
     come back pickled through a pipe. For work that holds the interpreter (imports, parsing)
     while this process computes with torch: fork it only while this process runs no other
-    thread. OSError when the process cannot be started."""
+    thread. OSError when the process cannot be started (also in a daemonic process, which
+    :mod:`multiprocessing` does not let have children)."""
+    if multiprocessing.current_process().daemon:
+        raise OSError("a daemonic process cannot start one")
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_run_call, args=(child, fn, args), daemon=True, name=name)

@@ -44,6 +44,11 @@ it ``ggml.quantize_many`` alone (synchronized off the CPU), the NaN/Inf checks, 
 metadata packing and tensor writes, handing each tensor to the round trip (copies into the
 checkers' staging areas, waits for room) and the wait for the last checks at the end.
 
+`--metadata-before` (end to end) also times `convert hf-to-gguf` with the metadata
+(transformers' config and tokenizer) computed before any tensor is read, in the command's own
+process (``targets.gguf.OVERLAP_METADATA = False``), against the default: computed in a
+forked process while the first tensors are quantized.
+
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
 """
@@ -150,6 +155,8 @@ def main() -> int:
                     help="--quantize-only: also time quantize+write under the read-ahead and window settings")
     ap.add_argument("--stages", action="store_true",
                     help="--quantize-only: also time the parts of quantize+write, with and without the round trip")
+    ap.add_argument("--metadata-before", action="store_true",
+                    help="also time hf-to-gguf with the metadata computed before the tensors, in its own process")
     args = ap.parse_args()
     tok = Path(args.tokenizer) if args.tokenizer else None
     model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: synth4x(tok)}.get(
@@ -177,6 +184,14 @@ def main() -> int:
         mine = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
                         "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages = json.loads(report.read_text())["stages"]
+        before = None
+        if args.metadata_before:
+            argv = ["hf-to-gguf", str(model), "--policy", args.policy, "-o", str(d / "before.gguf"),
+                    "--device", args.device, "--quiet", "--report", str(report), *im]
+            before = measure([PY, "-c", "import quantpress.targets.gguf as g; g.OVERLAP_METADATA = False; "
+                              "from quantpress.cli import common, convert_main; "
+                              f"common.exit_with(convert_main.main({argv!r}))"])
+            stages_before = json.loads(report.read_text())["stages"]
         mine_q = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
                           "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
         stages_q = json.loads(report.read_text())["stages"]
@@ -202,6 +217,12 @@ def main() -> int:
     print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB RSS {mine[2]:7.0f} MiB PSS (process "
           f"tree); stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+    if before is not None:
+        fig.update(ours_metadata_before_s=before[0], ours_metadata_before_pss_mib=before[2],
+                   ours_metadata_before_stages_s=stages_before)
+        print(f"  quantpress hf-to-gguf, metadata before the tensors {before[0]:7.1f} s  {before[2]:7.0f} MiB "
+              f"PSS; stages " + ", ".join(f"{k} {v:.1f} s" for k, v in stages_before.items())
+              + f"; beside/before {mine[0] / before[0]:.2f}x")
     print(f"  quantpress quantize gguf (llama.cpp's F16 file) {mine_q[0]:7.1f} s  {mine_q[1]:7.0f} MiB; stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages_q.items()))
     print(f"  ratio ours/llama.cpp end to end: {fig['ratio_total_ours_over_llamacpp']:.2f}x time; "

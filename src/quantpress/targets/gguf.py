@@ -130,6 +130,15 @@ class GGUFPlan:
     no_entry: list[str] = field(default_factory=list)
 
 
+#: convert hf-to-gguf computes the metadata (transformers' config and tokenizer) in a forked
+#: process while the writer quantizes the first tensors (:func:`plan_from_hf`'s ``overlap``);
+#: False: before any tensor, in this process. SmolLM2's Q4_K_M on this project's 2-core
+#: machine: 7.4-7.5 s against 8.1-8.7 s, with its imatrix 8.5-9.3 s against 10.1-10.8 s, the
+#: 554M random llama's 29.9-30.9 s against 33.4-33.6 s (whole processes, alternating; the
+#: reproducing command is ``scripts/bench_gguf.py --metadata-before``)
+OVERLAP_METADATA = True
+
+
 def _model_params(arch: str, n_layer: int, n_head: int, n_head_kv: int | None, n_expert: int,
                   tensors: list[SourceTensor]) -> gguf_policy.ModelParams:
     return gguf_policy.ModelParams(arch=arch, n_layer=n_layer, n_head=n_head,
@@ -363,7 +372,7 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             # from an HF directory transformers' config and tokenizer are read in a forked
             # process while the writer quantizes the first tensors (plan_from_hf's overlap)
             self.plan = plan = (plan_from_gguf(p, o.policy, o) if p.is_file()
-                                else plan_from_hf(p, o.policy, o, overlap=True))
+                                else plan_from_hf(p, o.policy, o, overlap=OVERLAP_METADATA))
             if self.device.type == "cpu" and not codecs_leave_a_core(
                     [(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors):
                 start_codec_processes()     # the search codecs' slices beside this thread's

@@ -133,9 +133,9 @@ class GGUFPlan:
 #: convert hf-to-gguf computes the metadata (transformers' config and tokenizer) in a forked
 #: process while the writer quantizes the first tensors (:func:`plan_from_hf`'s ``overlap``);
 #: False: before any tensor, in this process. SmolLM2's Q4_K_M on this project's 2-core
-#: machine: 7.4-7.5 s against 8.1-8.7 s, with its imatrix 8.5-9.3 s against 10.1-10.8 s, the
-#: 554M random llama's 29.9-30.9 s against 33.4-33.6 s (whole processes, alternating; the
-#: reproducing command is ``scripts/bench_gguf.py --metadata-before``)
+#: machine: 6.5-6.7 s against 7.1-7.3 s, with its imatrix 8.7-8.8 s against 10.5-10.9 s, the
+#: 554M random llama's 31.6-32.3 s against 34.4-37.5 s (whole processes, two runs each of
+#: ``scripts/bench_gguf.py --metadata-before``)
 OVERLAP_METADATA = True
 
 

@@ -122,6 +122,11 @@ def test_forked_call_answers_and_errors(tmp_path):
     p.start()
     assert here.recv().startswith("OSError")
     p.join()
+    # a call whose answer is not wanted is ended
+    call = fork_call(time.sleep, 30)
+    call.close()
+    with pytest.raises(RuntimeError, match="unanswered"):
+        call.result()
     # a process that dies without answering
     call = fork_call(time.sleep, 30)
     assert not call.ready()

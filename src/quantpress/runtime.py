@@ -317,6 +317,14 @@ class ForkedCall:
         self._conn.close()
         self._proc.join()
 
+    def close(self) -> None:
+        """End the process if it has not answered (its answer is not wanted); idempotent."""
+        if self._answer is None:
+            self._proc.terminate()
+            self._answer = ("err", RuntimeError(f"the forked {self._proc.name} was ended unanswered"))
+            self._conn.close()
+            self._proc.join()
+
     def result(self):
         """The call's value (waits for it); its exception is raised here."""
         if self._answer is None:

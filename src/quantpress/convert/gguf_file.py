@@ -106,6 +106,10 @@ class PendingKVs:
         """Whether :meth:`get` would return at once."""
         return self.call.ready()
 
+    def close(self) -> None:
+        """Stop the computation if it is still running (its KVs are not wanted)."""
+        self.call.close()
+
     def get(self) -> list[KV]:
         """The KVs, in order (waits for them). Raises what the computation raised
         (InputError for bad input), or :class:`PlanChanged`."""
@@ -307,6 +311,8 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         # first tensors, in order, until the KVs are there or AHEAD_OF_HEADER_BYTES are held
         ahead_of_header: dict[tuple[int, int], np.ndarray] = {}
         pending = [kvs for _, kvs, *_ in files if isinstance(kvs, PendingKVs)]
+        for p in pending:
+            closing.callback(p.close)       # (on an error before its KVs were taken)
         held = 0
         with intra_op_threads(max(1, torch.get_num_threads() - 1) if pending else None):
             # (the computation of the KVs keeps a core)

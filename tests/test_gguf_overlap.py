@@ -15,7 +15,7 @@ import pytest
 
 import synth
 from quantpress.cli.convert_main import main as convert_main
-from quantpress.convert import gguf_file
+from quantpress.convert import gguf_arch, gguf_file
 from quantpress.convert.gguf_file import PendingKVs, write_gguf_many
 from quantpress.convert.gguf_tokenizer import UnknownPreTokenizer
 from quantpress.errors import EXIT_BAD_INPUT, InputError
@@ -85,6 +85,23 @@ def test_metadata_errors_are_bad_input_and_leave_nothing(tiny_llama_dir, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "tokenizer" in err[0] and str(d) in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_plan_error_ends_the_metadata_process(tiny_llama_dir, single_thread, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gguf_target, "fork_call", lambda *a, **k: calls.append(fork_call(*a, **k)) or calls[-1])
+
+    def refuse(plan, params, options):
+        raise InputError("an imatrix of another model")
+    monkeypatch.setattr(gguf_target, "finish_plan", refuse)
+    # (the forked copy sleeps before it computes anything: only ending it answers now)
+    slow = gguf_arch.load_hf_config
+    monkeypatch.setattr(gguf_arch, "load_hf_config", lambda *a: time.sleep(60) or slow(*a))
+    with pytest.raises(InputError, match="another model"):
+        gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M", overlap=True)
+    assert len(calls) == 1 and calls[0].ready()
+    with pytest.raises(ProcessLookupError):     # ended and reaped, not left behind
+        os.kill(calls[0].pid, 0)
 
 
 def _raise_unknown(path):

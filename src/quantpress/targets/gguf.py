@@ -215,6 +215,16 @@ def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = Non
         cfg = gguf_arch.load_hf_config(model.dir)
         arch = gguf_arch.gguf_arch(cfg)
         kvs = _metadata_kvs(model.dir, cfg, arch, ftype)
+    try:
+        return _hf_plan(model, cfg, arch, kvs, policy, options)
+    except BaseException:
+        if isinstance(kvs, PendingKVs):
+            kvs.close()     # (e.g. an imatrix of another model: the metadata is not wanted)
+        raise
+
+
+def _hf_plan(model: HFModel, cfg: dict, arch: str, kvs, policy: str,
+             options: GGUFOptions | None) -> GGUFPlan:
     tensors = [SourceTensor(name, tuple(t.shape), (lambda t=t: t))
                for name, t in gguf_arch.generated_tensors(cfg, arch)]
     for hf_name in model.names:

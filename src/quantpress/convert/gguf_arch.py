@@ -185,8 +185,9 @@ def load_hf_config(model_dir: Path | str) -> dict:
 
 
 def raw_hf_config(model_dir: Path | str) -> dict:
-    """:func:`load_hf_config` without transformers: ``config.json`` as it is (the reference's
-    fallback), with the same ``text_config`` merge. Keys that transformers' config class
+    """:func:`load_hf_config` without transformers: ``config.json`` as it is (the fallback of
+    ``ModelBase.load_hparams`` in llama.cpp's convert_hf_to_gguf.py), with the same
+    ``text_config`` merge. Keys that transformers' config class
     would fill with defaults are missing, and no value is normalized; used only where the
     result is checked against :func:`load_hf_config`'s later.
 

@@ -222,6 +222,20 @@ class _ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _to_encode(st: SourceTensor, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The loaded source ``t`` of ``st`` as it is encoded: its shape checked, on ``device``,
+    checked for NaN/Inf (InputError naming the tensor)."""
+    if tuple(t.shape) != tuple(st.shape):
+        raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
+    # off the CPU the NaN/Inf check runs on the device's copy (the CPU's cores are the
+    # checkers'): the 554M model's checks took 0.03-0.04 s of its stage there, on one H100
+    # box, against 0.08 s (no round trip) to 0.15-0.19 s (beside it) on the CPU of another
+    # (by the code that became scripts/bench_gguf.py --stages)
+    x = t if device.type == "cpu" else t.to(device)
+    check_finite(st.name, x)
+    return x
+
+
 def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
                     device: torch.device,
                     progress: Callable[[Iterable], Iterable] = lambda it: it,
@@ -320,17 +334,12 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 if not pending or held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending):
                     break
                 try:
-                    t = st.load()
-                    if tuple(t.shape) != tuple(st.shape):
-                        break
-                    x = t if device.type == "cpu" else t.to(device)
-                    check_finite(st.name, x)
-                    done = encodings([(index, x)])
+                    done = encodings([(index, _to_encode(st, st.load(), device))])
                 except Exception:   # noqa: BLE001 -- the writing below meets it again and reports it
                     break
                 ahead_of_header.update(done)
                 held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
-                del t, x, done
+                del done
         for (w, *_), (_, kvs, *_) in zip(writers, files):
             for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
                 w.add_key_value(key, value, vtype, sub_type=sub)
@@ -359,14 +368,15 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             # --quantize-only --device cuda --windows, two runs each)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         # tensors read, not yet written: (index, the source for the round trip, what is encoded:
-        # the source itself on the CPU, else its copy on the device)
-        window: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+        # the source itself on the CPU, else its copy on the device; None when it was encoded
+        # ahead of the header)
+        window: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
 
         def flush() -> None:
             # quantize the window (one codec pass per type on an accelerator; tensors quantized
             # ahead of the header are not quantized again), then write its tensors in order to
             # every file and hand each to the round trip
-            raws = encodings([(index, x) for index, _, x in window if (index, 0) not in ahead_of_header])
+            raws = encodings([(index, x) for index, _, x in window if x is not None])
             for index, t, _ in window:
                 for f, (w, *_) in enumerate(writers):
                     raw = ahead_of_header.pop((index, f), None)
@@ -390,14 +400,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             closing.callback(ahead.close)
         for index, st in enumerate(progress(tensors)):
             t = st.load() if ahead is None else ahead.take()
-            if tuple(t.shape) != tuple(st.shape):
-                raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
-            # off the CPU the NaN/Inf check runs on the device's copy (the CPU's cores are the
-            # checkers'): the 554M model's checks took 0.03-0.04 s of its stage there, on one
-            # H100 box, against 0.08 s (no round trip) to 0.15-0.19 s (beside it) on the CPU
-            # of another (by the code that became scripts/bench_gguf.py --stages)
-            x = t if device.type == "cpu" else t.to(device)
-            check_finite(st.name, x)
+            # (a tensor quantized ahead of the header was checked then: it is read again only
+            # for the round trip)
+            x = None if (index, 0) in ahead_of_header else _to_encode(st, t, device)
             window.append((index, t if watches else None, x))
             size += t.numel()
             del t, x

@@ -40,8 +40,9 @@ unpacking on uint8 against through int32, and the round trip's bit comparison by
 ``torch.equal`` against counting the differences.
 
 With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with an imatrix:
-nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` (their
-weights' exact square roots: nanoseconds per element).
+nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` /
+``sqrtf_checked`` (their weights' exact square roots on the CPU / other devices: nanoseconds
+per element).
 
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
@@ -415,10 +416,11 @@ def dequantizers() -> None:
 
 def weighted_codecs() -> None:
     """The importance-weighted codecs per weight (Q5_0, Q4_K, IQ4_XS of 341 x 1,536 with an
-    imatrix, best of eight) and ``sqrtf`` per element (512K values), one thread, the heap
-    bounded as the targets bound it."""
+    imatrix, best of eight) and ``sqrtf`` (NumPy's float32 root) and ``sqrtf_checked`` (torch's
+    float64 root, checked) per element (512K values), one thread, the heap bounded as the
+    targets bound it."""
     from quantpress.quantize import ggml
-    from quantpress.quantize.ggml.common import sqrtf
+    from quantpress.quantize.ggml.common import sqrtf, sqrtf_checked
     from quantpress.runtime import bound_heap
 
     bound_heap()
@@ -430,7 +432,8 @@ def weighted_codecs() -> None:
         ms = best_ms(lambda: ggml.quantize(x, name, qw), n=8)
         print(f"{name:6s} with an imatrix, 341 x 1536: {ms * 1e6 / x.numel():6.1f} ns/weight")
     v = torch.rand(1 << 19, generator=g) * 1e-3
-    print(f"sqrtf of {v.numel()} values: {best_ms(lambda: sqrtf(v), n=20) * 1e6 / v.numel():6.2f} ns/element")
+    for f in (sqrtf, sqrtf_checked):
+        print(f"{f.__name__} of {v.numel()} values: {best_ms(lambda: f(v), n=20) * 1e6 / v.numel():6.2f} ns/element")
 
 
 def exit_freeze() -> None:

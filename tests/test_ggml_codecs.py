@@ -327,12 +327,15 @@ def _sqrtf_inputs() -> torch.Tensor:
 
 
 def test_sqrtf_is_correctly_rounded():
-    """sqrtf equals numpy's float32 square root (the hardware's, correctly rounded) bit for
-    bit; and with a float64 root made wrong by up to 2**-30 relative (so that the float32
-    candidate misrounds), the midpoint checks still give the correctly rounded result."""
+    """sqrtf (NumPy's float32 root on the CPU) and sqrtf_checked (torch's float64 root with
+    the exact midpoint checks, the path off the CPU) agree bit for bit on every kind of
+    float32: two independent ways to the correctly rounded root; and with a float64 root
+    made wrong by up to 2**-30 relative (so that the float32 candidate misrounds), the
+    checks still give that result."""
     x = _sqrtf_inputs()
-    want = np.sqrt(x.numpy()).view(np.int32)
-    assert np.array_equal(common.sqrtf(x).numpy().view(np.int32), want)
+    want = common.sqrtf(x).numpy().view(np.int32)
+    assert np.array_equal(common.sqrtf_checked(x).numpy().view(np.int32), want)
+    assert np.array_equal(common.sqrtf(x[::3]).numpy().view(np.int32), want[::3])    # strided input
     real = torch.sqrt
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     off = lambda t: real(t) * (1 + (noise - 0.5) * 2.0 ** -29) if t.dtype == torch.float64 else real(t)
@@ -340,7 +343,7 @@ def test_sqrtf_is_correctly_rounded():
     assert (wrong != want).sum() > 1000      # the candidates the checks must move
     torch.sqrt = off
     try:
-        got = common.sqrtf(x)
+        got = common.sqrtf_checked(x)
     finally:
         torch.sqrt = real
     assert np.array_equal(got.numpy().view(np.int32), want)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, nearest_int, sliced, sqrtf
+from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, nearest_int, sliced, sqrtf
 
 QK4_NL = 32
 QK_K = 256
@@ -100,7 +100,7 @@ def _block_scales(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     of ``w*q*x`` and ``w*q*q`` over the block.
     """
     _, _, qtab = _tables(x.device)
-    finite = bool(torch.isfinite(x).all())     # NaN-free products in the search (else sanitized)
+    finite = all_finite(x)     # NaN-free products in the search (else sanitized)
     mx, amax = first_absmax(x, 0)
     small = amax < GROUP_MAX_EPS
     mx = torch.where(small, 1.0, mx)           # dummy for skipped blocks (scale forced to 0)

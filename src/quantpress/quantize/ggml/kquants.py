@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sliced, sqrtf, to_int8
+from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sliced, sqrtf, to_int8
 
 QK_K = 256
 GROUP_MAX_EPS = f32(1e-15)
@@ -185,7 +185,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     weighted = w is not None
     # iscale*x is NaN only where x is not finite (a weighted call's x may be scales that
     # overflowed): C's nearest_int(NaN) is 0
-    fix_nan = weighted and not bool(torch.isfinite(x).all())
+    fix_nan = weighted and not all_finite(x)
     if not weighted:
         w = x * x
     wwx = torch.stack([w * x, w], 1)        # [n, 2, S]: w*x, w

@@ -36,8 +36,10 @@ as codec processes: wall and CPU seconds.
 With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which the round trip's
 checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
 one thread, the glibc heap bounded as the targets bound it (best of five); then Q4_K's nibble
-unpacking on uint8 against through int32, and the round trip's bit comparison by
-``torch.equal`` against counting the differences.
+unpacking on uint8 against through int32, the round trip's bit comparison by
+``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
+trip's reference) of about 4M values with rows as they are and merged into rows of
+``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``.
 
 With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with an imatrix:
 nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` /
@@ -386,7 +388,9 @@ def ggml_cuda_chunks() -> None:
 
 
 def dequantizers() -> None:
-    """``quantize.ggml.dequantize`` of 1,024 x 4,096 values per type, one thread: best of five."""
+    """``quantize.ggml.dequantize`` of 1,024 x 4,096 values per type, one thread: best of five;
+    then gguf-py's dequantization of about 4M values with rows as they are and merged
+    (``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``)."""
     from quantpress.quantize import ggml
     from quantpress.runtime import bound_heap
 
@@ -412,6 +416,21 @@ def dequantizers() -> None:
     b = a.clone()
     print(f"bit comparison of 1024 x 4096: torch.equal {best_ms(lambda: torch.equal(a, b)):6.2f} ms, "
           f"(a != b).sum() {best_ms(lambda: int((a != b).sum())):6.2f} ms")
+    # gguf-py's dequantization (the round trip's reference) of 4M values with rows as they
+    # are and with consecutive rows merged into rows of GGUF_PY_ROW_ELEMENTS elements
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    from quantpress.convert.gguf_roundtrip import GGUF_PY_ROW_ELEMENTS
+    for name, width in [("Q5_0", 576), ("Q8_0", 576), ("Q4_K", 1536), ("Q6_K", 1536)]:
+        n = (1 << 22) // width
+        rows = ggml.quantize(x.reshape(-1)[:n * width].reshape(n, width), name).numpy()
+        m = max(1, GGUF_PY_ROW_ELEMENTS // width)
+        merged = rows[:rows.shape[0] // m * m].reshape(-1, m * rows.shape[1])
+        qt = GGMLQuantizationType[name]
+        print(f"gguf-py dequantize {name:4s} of {rows.shape[0]} x {width}: rows as they are "
+              f"{best_ms(lambda: gguf_quants.dequantize(rows, qt)):6.2f} ms, merged by {m} "
+              f"{best_ms(lambda: gguf_quants.dequantize(merged, qt)) * rows.shape[0] / (merged.shape[0] * m):6.2f} ms")
 
 
 def weighted_codecs() -> None:

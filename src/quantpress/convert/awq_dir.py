@@ -18,12 +18,11 @@ directory into place after the round trip.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from quantpress.convert.quant_weights import QuantizedWeights, quantized_as
+from quantpress.convert.quant_weights import QuantizedWeights, quantized_as, quantized_config
 from quantpress.convert.shards import DirLayout, ModelDirWriter, copied_source_file
 from quantpress.errors import InputError
 
@@ -129,13 +128,7 @@ def read_awq_config(path: str | Path) -> tuple[dict, int, int]:
     legacy names (``w_bit``, ``q_group_size``). Raises InputError naming the directory when
     config.json is unreadable or its quantization_config is not 4-bit GEMM with zero points."""
     p = Path(path)
-    try:
-        config = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{p / 'config.json'}: not readable JSON ({e})") from None
-    q = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() != "awq":
-        raise InputError(f"{p}: config.json has no AWQ quantization_config")
+    config, q = quantized_config(p, "awq", "AWQ")
     try:
         bits = int(q.get("bits", q.get("w_bit", 0)))
         group_size = int(q.get("group_size", q.get("q_group_size", 0)))

@@ -28,14 +28,13 @@ the round trip.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from quantpress.quantize import exl2 as qexl2
-from quantpress.convert.quant_weights import QuantizedWeights
+from quantpress.convert.quant_weights import QuantizedWeights, quantized_as, quantized_config
 from quantpress.convert.shards import DirLayout, ModelDirWriter
 from quantpress.errors import InputError
 
@@ -93,30 +92,14 @@ def exl2_config(source_config: dict, bits: float, head_bits: int, rows: int, len
 # --------------------------------------------------------------------------------------------
 # Reader
 
-def _read_config(path: Path) -> dict | None:
-    try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def is_exl2_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory whose config.json says ``quant_method: exl2``."""
-    cfg = _read_config(Path(path))
-    q = cfg.get("quantization_config") if cfg else None
-    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "exl2"
+    return quantized_as(path, "exl2")
 
 
 def read_exl2_config(path: str | Path) -> dict:
     """config.json of an EXL2 directory; InputError naming it when unreadable or not EXL2."""
-    p = Path(path)
-    cfg = _read_config(p)
-    if cfg is None:
-        raise InputError(f"{p / 'config.json'}: not readable JSON")
-    if not is_exl2_dir(p):
-        raise InputError(f"{p}: config.json has no EXL2 quantization_config")
-    return cfg
+    return quantized_config(path, "exl2", "EXL2")[0]
 
 
 class _GlobDir:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from quantpress.convert.quant_weights import QuantizedWeights
+from quantpress.convert.quant_weights import QuantizedWeights, quantized_config
 from quantpress.convert.shards import DirLayout, ModelDirWriter, RowChunks, copied_source_file
 from quantpress.errors import InputError
 
@@ -231,13 +231,7 @@ def read_fp8_config(path: str | Path) -> tuple[dict, FP8Format]:
     tensor, channel or block) targeting ``Linear``. Raises InputError naming the directory
     otherwise (and when config.json is unreadable)."""
     p = Path(path)
-    try:
-        config = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{p / 'config.json'}: not readable JSON ({e})") from None
-    q = _quant_block(config)
-    if q is None or q.get("quant_method") != "compressed-tensors":
-        raise InputError(f"{p}: config.json has no compressed-tensors quantization_config")
+    config, q = quantized_config(p, "compressed-tensors", "compressed-tensors")
     require_compressed_tensors()
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from quantpress.convert.quant_weights import QuantizedWeights, quantized_as
+from quantpress.convert.quant_weights import QuantizedWeights, quantized_as, quantized_config
 from quantpress.convert.shards import DirLayout, ModelDirWriter, copied_source_file
 from quantpress.errors import InputError
 
@@ -412,13 +412,7 @@ def is_gptq_dir(path: str | Path) -> bool:
 
 def _read_config(path: Path) -> tuple[dict, dict]:
     """(config dict, its validated quantization_config) of a GPTQ v1 directory."""
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path / 'config.json'}: not readable JSON ({e})") from None
-    q = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() != "gptq":
-        raise InputError(f"{path}: config.json has no GPTQ quantization_config")
+    config, q = quantized_config(path, "gptq", "GPTQ")
     fmt = str(q.get("checkpoint_format", q.get("format", "gptq"))).lower()
     try:
         bits, group_size = int(q.get("bits", 0)), int(q.get("group_size", 0))

@@ -1,4 +1,5 @@
-"""The part every quantized-directory reader shares (AWQ, EXL2): an index of the stored tensors
+"""The parts the quantized-directory readers share: finding and reading their config.json's
+``quantization_config`` (AWQ, GPTQ, EXL2, FP8), and (AWQ, EXL2) an index of the stored tensors
 under HF names, each quantized linear ``<m>`` appearing as ``<m>.weight`` and dequantized on
 demand by the subclass's :meth:`QuantizedWeights.dequantized`. This is the weights protocol of
 :class:`calibration.engine.StreamingModel` (``keys()``, ``in``, ``get(name, device, dtype)``)."""
@@ -23,6 +24,22 @@ def quantized_as(path: str | Path, method: str) -> bool:
         return False
     q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == method
+
+
+def quantized_config(path: str | Path, method: str, label: str) -> tuple[dict, dict]:
+    """(config.json as a dict, its ``quantization_config``) of a directory quantized with
+    ``quant_method`` ``method`` (case-insensitive). Raises InputError naming config.json when
+    it is missing or not JSON, and naming the directory ("config.json has no ``label``
+    quantization_config") when the block is missing or of another method."""
+    p = Path(path)
+    try:
+        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{p / 'config.json'}: not readable JSON ({e})") from None
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() != method:
+        raise InputError(f"{p}: config.json has no {label} quantization_config")
+    return cfg, q
 
 
 class QuantizedWeights(abc.ABC):

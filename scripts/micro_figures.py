@@ -46,6 +46,10 @@ nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqr
 ``sqrtf_checked`` (their weights' exact square roots on the CPU / other devices: nanoseconds
 per element).
 
+With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
+of MODEL's Q4_K_M (default SmolLM2) on one thread, gguf-py given rows merged to
+``GGUF_PY_ROW_ELEMENTS`` values against the rows as they are, two runs each.
+
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
@@ -436,10 +440,11 @@ def dequantizers() -> None:
 def weighted_codecs() -> None:
     """The importance-weighted codecs per weight (Q5_0, Q4_K, IQ4_XS of 341 x 1,536 with an
     imatrix, best of eight) and ``sqrtf`` (NumPy's float32 root) and ``sqrtf_checked`` (torch's
-    float64 root, checked) per element (512K values), one thread, the heap bounded as the
+    float64 root, checked) per element (512K values), how often torch's float32 root differs,
+    and ``all_finite`` against ``isfinite().all()``; one thread, the heap bounded as the
     targets bound it."""
     from quantpress.quantize import ggml
-    from quantpress.quantize.ggml.common import sqrtf, sqrtf_checked
+    from quantpress.quantize.ggml.common import all_finite, sqrtf, sqrtf_checked
     from quantpress.runtime import bound_heap
 
     bound_heap()
@@ -453,6 +458,44 @@ def weighted_codecs() -> None:
     v = torch.rand(1 << 19, generator=g) * 1e-3
     for f in (sqrtf, sqrtf_checked):
         print(f"{f.__name__} of {v.numel()} values: {best_ms(lambda: f(v), n=20) * 1e6 / v.numel():6.2f} ns/element")
+    wrong = float((torch.sqrt(v) != sqrtf(v)).float().mean())
+    print(f"torch.sqrt (float32) differs from the correctly rounded root in {wrong:.1%} of them")
+    print(f"all_finite of {v.numel()} values: {best_ms(lambda: all_finite(v), n=20):6.3f} ms, "
+          f"torch.isfinite(v).all() {best_ms(lambda: bool(torch.isfinite(v).all()), n=20):6.3f} ms")
+
+
+def round_trip(model: Path) -> None:
+    """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread,
+    gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values and given the rows as they
+    are, two runs each, alternating (the sources read once before, so both find them in the
+    page cache)."""
+    from quantpress.convert import gguf_roundtrip
+    from quantpress.runtime import bound_heap
+    from quantpress.targets.gguf import plan_from_hf
+
+    bound_heap()
+    torch.set_num_threads(1)
+    merged = gguf_roundtrip.GGUF_PY_ROW_ELEMENTS
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "q4_k_m.gguf"
+        subprocess.run([str(Path(sys.executable).parent / "convert"), "hf-to-gguf", str(model),
+                        "--policy", "Q4_K_M", "-o", str(out), "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
+        plan = plan_from_hf(model, "Q4_K_M")
+        for st in plan.tensors:
+            st.load()
+        times: dict[int, list[float]] = {merged: [], 0: []}
+        for _ in range(2):
+            for rows in (merged, 0):
+                gguf_roundtrip.GGUF_PY_ROW_ELEMENTS = rows
+                t0 = time.perf_counter()
+                rep = gguf_roundtrip.verify_gguf(out, plan.tensors, plan.types, torch.device("cpu"))
+                times[rows].append(time.perf_counter() - t0)
+                assert rep.ok, rep.mismatches[:3]
+        gguf_roundtrip.GGUF_PY_ROW_ELEMENTS = merged
+    print(f"verify_gguf of {model.name}'s Q4_K_M, one thread: rows merged to {merged} values "
+          f"{min(times[merged]):.2f}-{max(times[merged]):.2f} s, rows as they are "
+          f"{min(times[0]):.2f}-{max(times[0]):.2f} s")
 
 
 def exit_freeze() -> None:
@@ -493,6 +536,10 @@ def main() -> int:
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
     ap.add_argument("--weighted", action="store_true",
                     help="only the importance-weighted codecs' times and sqrtf's")
+    ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
+                    const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
+                    help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
+                         "with gguf-py given merged rows against rows as they are")
     ap.add_argument("--exit", action="store_true",
                     help="only the console commands' exit (gc.freeze) against a plain sys.exit")
     args = ap.parse_args()
@@ -514,6 +561,9 @@ def main() -> int:
         return 0
     if args.exit:
         exit_freeze()
+        return 0
+    if args.round_trip:
+        round_trip(args.round_trip)
         return 0
     snr_floor()
     codec_threads()

@@ -139,8 +139,8 @@ VERIFY_CHUNK_ELEMENTS = 1 << 22
 # elements (the same bytes, in the same order): 4M values of 576-wide Q5_0 in 13.8 ms
 # against 23.9 ms, Q8_0 4.5 against 9.0, 1536-wide Q4_K 10.4 against 17.2, Q6_K 11.7 against
 # 15.7 (one thread, scripts/micro_figures.py --dequantize); verify_gguf of SmolLM2's Q4_K_M
-# 1.96-1.97 s against 2.34-2.53 s, of the 554M model's 4.49-4.72 s against 5.29-5.79 s (one
-# thread, two runs each, by hand)
+# 1.78-1.85 s against 2.00-2.05 s, of the 554M model's 4.28-4.49 s against 4.95-5.01 s (one
+# thread, two runs each, scripts/micro_figures.py --round-trip [MODEL])
 GGUF_PY_ROW_ELEMENTS = 1 << 14
 
 

@@ -15,7 +15,9 @@ compared on the same weights. ``--grid T ...`` prints each type's SNR on one suc
 on Gaussian values of its standard deviation: the released SmolLM2 weights are dequantized
 Q4_1 (llama-smollm2's GGUF), values on a 16-level grid per block of 32 that the affine
 32-wide types (Q4_1, Q4_K) nearly reproduce and the non-linear i-quants do not;
-``--model`` the equivalent model of ``scripts/rotate_model.py`` has its weights off that grid.
+``--model`` the equivalent model of ``scripts/rotate_model.py`` has its weights off that grid;
+widened by it (``--hidden 768 --heads 12 --kv-heads 4``), every tensor takes its policy's
+types as named (no fallback), so the whole policies compare.
 
 Usage::
 

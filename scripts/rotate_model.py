@@ -20,11 +20,27 @@ With ``Q`` a random orthogonal [hidden, hidden] matrix (seed 0) and the residual
   take ``W Q``; the linears that write to it (o_proj, down_proj) take ``Qᵀ W``;
 - tied embeddings are untied (the final norm's weight goes into lm_head only).
 
+``--hidden H --heads N --kv-heads K`` first widens the model with zeros, so that every linear
+reads rows whose width is a multiple of 256 and llama.cpp's K-quants and IQ4_XS apply to
+every tensor as they are (SmolLM2: ``--hidden 768 --heads 12 --kv-heads 4``; its 576 is not a
+multiple of 256, so its policies fall back to Q5_0 / IQ4_NL on most tensors):
+
+- the residual stream gets ``H - hidden`` zero channels (zero columns in the embedding and
+  the readers, zero rows in the writers) before it is rotated, so that after the rotation no
+  channel is zero; RMSNorm's mean over ``H`` channels is ``hidden/H`` of the old one, so the
+  norms' weights take a factor ``sqrt(hidden/H)`` and ``rms_norm_eps`` becomes
+  ``eps * hidden/H`` (exactly the old function);
+- the attention gets zero heads after the old ones (``N - heads`` query heads, ``K -
+  kv_heads`` key/value heads, the same ``head_dim`` and the same heads per key/value head, so
+  llama.cpp's GQA-dependent type rules see the same ratio): a zero key/value head gives zero
+  values, and o_proj's columns for the new heads are zero.
+
 Computed in float64, written in float16 with the config (``tie_word_embeddings`` false) and
 the tokenizer files. Llama-style checkpoints without biases (LlamaForCausalLM, one
 model.safetensors file) only.
 
     python scripts/rotate_model.py [--model DIR] -o out/smollm2-rotated
+    python scripts/rotate_model.py --hidden 768 --heads 12 --kv-heads 4 -o out/smollm2-wide
 """
 from __future__ import annotations
 
@@ -32,6 +48,51 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+
+
+def widen(sd: dict, config: dict, hidden: int, heads: int, kv_heads: int) -> tuple[dict, dict]:
+    """The same model with zero channels and zero attention heads added (float64 in and out;
+    keys of ``LlamaForCausalLM``; ``config`` a config.json dict). Returns (state dict, config
+    with ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` and
+    ``rms_norm_eps`` updated). Raises ValueError where a size would shrink or the heads per
+    key/value head would change."""
+    import torch
+
+    h, n_h = config["hidden_size"], config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_h
+    hd = config.get("head_dim") or h // n_h
+    if hidden < h or heads < n_h or kv_heads < n_kv:
+        raise ValueError(f"--hidden/--heads/--kv-heads {hidden}/{heads}/{kv_heads}: at least {h}/{n_h}/{n_kv}")
+    if heads % kv_heads or heads // kv_heads != n_h // n_kv:
+        raise ValueError(f"--heads {heads} / --kv-heads {kv_heads}: must keep {n_h // n_kv} heads per key/value head")
+
+    def pad(t, rows: int, cols: int | None = None):
+        z = t.new_zeros((rows, t.shape[1] if cols is None else cols))
+        z[:t.shape[0], :t.shape[1]] = t
+        return z
+
+    norm = (h / hidden) ** 0.5
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("norm.weight"):
+            out[k] = torch.cat([v, v.new_zeros(hidden - h)]) * norm
+        elif k in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[k] = pad(v, v.shape[0], hidden)
+        elif k.endswith("self_attn.q_proj.weight"):
+            out[k] = pad(v, heads * hd, hidden)
+        elif k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            out[k] = pad(v, kv_heads * hd, hidden)
+        elif k.endswith("self_attn.o_proj.weight"):
+            out[k] = pad(v, hidden, heads * hd)
+        elif k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            out[k] = pad(v, v.shape[0], hidden)
+        elif k.endswith("mlp.down_proj.weight"):
+            out[k] = pad(v, hidden)
+        else:
+            raise ValueError(f"{k}: not a tensor of LlamaForCausalLM without biases")
+    cfg = dict(config, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
+               rms_norm_eps=config["rms_norm_eps"] * h / hidden)
+    return out, cfg
 
 
 def rotate(sd: dict, n_layers: int, tied: bool, seed: int = 0) -> dict:
@@ -75,6 +136,9 @@ def main() -> None:
     ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden", type=int, help="widen the residual stream to this many channels first")
+    ap.add_argument("--heads", type=int, help="attention heads after widening (zero heads added)")
+    ap.add_argument("--kv-heads", type=int, help="key/value heads after widening (zero heads added)")
     args = ap.parse_args()
     src = Path(args.model) if args.model else assets.smollm2_dir()
     out = Path(args.output)
@@ -84,6 +148,13 @@ def main() -> None:
         raise SystemExit(f"{src}: rotate_model.py handles LlamaForCausalLM without biases")
     sd = {k: v.double() for k, v in load_file(str(src / "model.safetensors")).items()}
     tied = "lm_head.weight" not in sd
+    if args.hidden or args.heads or args.kv_heads:
+        try:
+            sd, config = widen(sd, config, args.hidden or config["hidden_size"],
+                               args.heads or config["num_attention_heads"],
+                               args.kv_heads or config.get("num_key_value_heads") or config["num_attention_heads"])
+        except ValueError as e:
+            raise SystemExit(f"{src}: {e}")
     rotated = rotate(sd, config["num_hidden_layers"], tied, args.seed)
     save_file({k: v.to(torch.float16).contiguous() for k, v in rotated.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -93,7 +164,8 @@ def main() -> None:
         if f.name not in ("config.json", "model.safetensors") and f.is_file():
             shutil.copy(f, out / f.name)
     print(f"wrote {out}: {src.name} with its residual stream rotated (seed {args.seed}), "
-          f"{len(rotated)} tensors, untied lm_head")
+          f"{len(rotated)} tensors, untied lm_head, hidden {config['hidden_size']}, "
+          f"{config['num_attention_heads']} heads / {config['num_key_value_heads']} key/value heads")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,6 @@ def main() -> None:
     args = ap.parse_args()
     src = Path(args.model) if args.model else assets.smollm2_dir()
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     if config.get("architectures") != ["LlamaForCausalLM"] or config.get("attention_bias") or config.get("mlp_bias"):
         raise SystemExit(f"{src}: rotate_model.py handles LlamaForCausalLM without biases")
@@ -156,6 +155,7 @@ def main() -> None:
         except ValueError as e:
             raise SystemExit(f"{src}: {e}")
     rotated = rotate(sd, config["num_hidden_layers"], tied, args.seed)
+    out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.float16).contiguous() for k, v in rotated.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     config["tie_word_embeddings"] = False

@@ -25,6 +25,10 @@ constant or choice it supports (CPU, this machine):
   grid (the form must stay far below it); and the search's seconds per layer with slices of
   512 and 1,024 tokens and unsliced.
 
+With ``--slices 18,19`` only ``convert hf-to-gguf`` end to end (the 554M random llama, or
+``--slice-model``) with the codecs' slices of 2^18 and 2^19 elements, alternating, three runs
+each (the figures of ``CPU_SLICE_ELEMENTS``'s comment).
+
 With ``--threads 1,2,4,8`` only the codecs' thread cap (``quantize.ggml.common.CPU_CODEC_THREADS``):
 Q4_K of 16384 x 4096 weights (67 M) on each thread count, one run each (run it on a many-core
 machine: the figures in the constant's comment come from a 16-core Xeon).
@@ -237,6 +241,35 @@ def codec_lanes(counts: list[int]) -> None:
     finally:
         common.CPU_CODEC_THREADS = saved
         torch.set_num_threads(before)
+
+
+def slice_sizes(exponents: list[int], model: Path, rounds: int = 3) -> None:
+    """``convert hf-to-gguf MODEL --policy Q4_K_M`` end to end (a fresh process each, the
+    console command as users run it) with the codecs' CPU slices of 2^e elements
+    (``quantize.ggml.common.CPU_SLICE_ELEMENTS``) for each e of ``exponents``, ``rounds``
+    times alternating; prints each run's wall seconds and whether the files are identical."""
+    import filecmp
+    import subprocess
+    import tempfile
+
+    code = ("import sys; from quantpress.quantize.ggml import common; "
+            "common.CPU_SLICE_ELEMENTS = 1 << int(sys.argv[1]); "
+            "from quantpress.cli.convert_main import console; sys.argv = ['convert'] + sys.argv[2:]; console()")
+    times: dict[int, list[float]] = {e: [] for e in exponents}
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(rounds):
+            for e in exponents:
+                out = Path(d) / f"s{e}.gguf"
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code, str(e), "hf-to-gguf", str(model), "--policy", "Q4_K_M",
+                                "-o", str(out), "--quiet", "--force"], check=True, stdout=subprocess.DEVNULL)
+                times[e].append(time.perf_counter() - t0)
+                print(f"{model.name} Q4_K_M, slices of 2^{e}: {times[e][-1]:.2f} s", flush=True)
+        first = Path(d) / f"s{exponents[0]}.gguf"
+        same = all(filecmp.cmp(first, Path(d) / f"s{e}.gguf", shallow=False) for e in exponents)
+    for e in exponents:
+        print(f"slices of 2^{e}: {min(times[e]):.2f}-{max(times[e]):.2f} s over {rounds} runs")
+    print(f"identical files: {same}")
 
 
 def hessian_factor() -> None:
@@ -533,6 +566,11 @@ def main() -> int:
     ap.add_argument("--threads", help="only the codec thread sweep, on these thread counts (e.g. 1,2,4,8)")
     ap.add_argument("--lanes", help="only the codec lanes (threads against processes), on these "
                     "lane counts (e.g. 1,2)")
+    ap.add_argument("--slices", metavar="E,E", help="only hf-to-gguf end to end with codec slices of 2^E "
+                    "elements for each E (e.g. 18,19), alternating, three runs each")
+    ap.add_argument("--slice-model", type=Path,
+                    default=Path.home() / ".cache/quantpress/models/synth-llama-554M",
+                    help="--slices: the model (default: the 554M random llama)")
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
     ap.add_argument("--weighted", action="store_true",
                     help="only the importance-weighted codecs' times and sqrtf's")
@@ -552,6 +590,9 @@ def main() -> int:
         return 0
     if args.lanes:
         codec_lanes([int(n) for n in args.lanes.split(",")])
+        return 0
+    if args.slices:
+        slice_sizes([int(e) for e in args.slices.split(",")], args.slice_model)
         return 0
     if args.dequantize:
         dequantizers()

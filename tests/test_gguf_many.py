@@ -445,21 +445,21 @@ def test_encode_many_per_expert_importance_weights_equal_llamacpp():
 
 @pytest.fixture
 def one_codec_worker(monkeypatch):
-    """Two codec lanes (this thread and one codec process), windows of one round: 2 · 2^19
-    elements; the worker is ended afterwards."""
+    """Two codec lanes (this thread and one codec process), windows of 2^20 elements (as many
+    rounds of slices as that takes); the worker is ended afterwards."""
     from quantpress.quantize.ggml import processes
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     assert processes.start_codec_processes(1) == 1
-    monkeypatch.setattr(gguf_file, "CPU_WINDOW_ROUNDS", 1)
+    monkeypatch.setattr(gguf_file, "CPU_WINDOW_ROUNDS", max(1, (1 << 20) // (2 * gguf_file.CPU_SLICE_ELEMENTS)))
     yield
     torch.set_num_threads(before)
     processes.close_codec_processes()
 
 
 def _eight_slices(seed: int = 0) -> list[SourceTensor]:
-    # eight tensors of 256 x 2048 (2^19 elements each: a window of one round on two lanes holds two)
+    # eight tensors of 256 x 2048 (2^19 elements each: a window of 2^20 elements holds two)
     g = torch.Generator().manual_seed(seed)
     data = [torch.randn(256, 2048, generator=g) for _ in range(8)]
     return [SourceTensor(f"blk.{i}.ffn_up.weight", (256, 2048), lambda x=x: x.clone()) for i, x in enumerate(data)]

@@ -173,10 +173,10 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
 #: this many codec slices (``CPU_SLICE_ELEMENTS``) per lane, so that every lane has work until
 #: the window's end, whatever its tensors' sizes (one tensor at a time, a 1536 x 512 tensor's
 #: two slices kept two of 16 lanes busy). The 554M random llama's Q4_K_M without the round
-#: trip on 16 Xeon cores: 15.3-15.4 s one tensor at a time, 7.8-8.3 s with windows of 4, 8
-#: or 16 rounds alike (2^25 to 2^27 elements there; 2 cores: 2^23), by the code that became
-#: scripts/bench_gguf.py --windows
-CPU_WINDOW_ROUNDS = 8
+#: trip on 16 Xeon cores: 15.3-15.4 s one tensor at a time, 7.8-8.3 s with windows of 2^21,
+#: 2^22 or 2^23 elements per lane alike (2^25 to 2^27 elements there; 2 cores: 2^23), by the
+#: code that became scripts/bench_gguf.py --windows; 16 slices of 2^18: 2^22 per lane
+CPU_WINDOW_ROUNDS = 16
 
 
 def _window_elements(device: torch.device) -> int:

@@ -225,12 +225,17 @@ def sqrtf_checked(x: torch.Tensor) -> torch.Tensor:
 
 
 # Elements per slice for the block codecs on CPU: the codecs keep several float32 copies
-# of their input alive, and slices of 2**19 elements (2 MiB each) keep that working set in
-# the shared cache while each elementwise op is long enough that its Python dispatch (which
-# holds the GIL) stays small next to its work: on a 2-core AMD EPYC, Q4_K took 230 ms for
-# 6.3 M weights with 2**19 on two threads against 278 ms with 2**18 and 245 ms with 2**21
-# (scripts/micro_figures.py). Results do not depend on the slicing (blocks are independent).
-CPU_SLICE_ELEMENTS = 1 << 19
+# of their input alive (a K-quant step touches ~8 of them), and slices of 2**18 elements
+# (1 MiB each) keep that working set in the cache while each elementwise op is long enough
+# that its dispatch stays small next to its work. With codec processes (no GIL between the
+# lanes) the working set is what counts: the 554M random llama's hf-to-gguf to Q4_K_M took
+# 24.7-25.9 s with 2**18 against 28.5-30.1 s with 2**19 on a 2-core AMD EPYC, SmolLM2's
+# (mostly Q5_0, bound by its metadata) 5.8-6.2 s against 5.8-6.1 s (scripts/micro_figures.py
+# --slices 18,19 [--slice-model]: three runs each, alternating, same bytes). On threads
+# alone (GIL-bound dispatch: where no codec processes run) an older run favoured 2**19: Q4_K
+# of 6.3 M weights on two threads 230 ms against 278 ms with 2**18 (scripts/micro_figures.py).
+# Results do not depend on the slicing (blocks are independent).
+CPU_SLICE_ELEMENTS = 1 << 18
 # Below this many elements a codec call runs on the calling thread alone: handing a slice to
 # another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 1.2 ms alone,
 # 1.3-1.4 ms on two threads, scripts/micro_figures.py). The search-based codecs (K-quants,

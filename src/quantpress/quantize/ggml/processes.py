@@ -39,7 +39,7 @@ from quantpress.runtime import SharedArea, announce_ready, can_fork_workers, for
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True
 #: bytes of each worker's shared area (two slots): a slice's input and result must fit in
-#: one slot (2^19 float32 elements and their importance weights take 4 MiB of the 16)
+#: one slot (a slice's 2^18 float32 elements and their importance weights take 2 MiB of the 16)
 AREA_BYTES = 32 << 20
 #: most workers started
 MAX_WORKERS = 15

@@ -52,6 +52,10 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 (default: all)")
     ap.add_argument("--out", default="out/gguf-imatrix-quality", help="where the files go")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--against-llamacpp", action="store_true",
+                    help="also, per policy with the imatrix: llama.cpp's F16 conversion of the model, "
+                         "then llama-quantize --imatrix and quantize gguf --imatrix on it; prints whether "
+                         "the two files are identical")
     args = ap.parse_args()
     model = Path(args.model) if args.model else assets.smollm2_dir()
     out = Path(args.out)
@@ -83,6 +87,8 @@ def main() -> None:
                         Source(model, compute), f, force=True)
             times[name], bpw[name], files[name] = time.perf_counter() - t0, s.bpw, f
             print(s.text(), flush=True)
+    if args.against_llamacpp:
+        against_llamacpp(model, im, args.policies, out)
     rep = evaluate(model, list(files.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
     (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
     print()
@@ -91,6 +97,30 @@ def main() -> None:
           f"(held-out articles 1800-2348)")
     print()
     print_table(rep, list(files), bpw, times, first="file")
+
+
+def against_llamacpp(model: Path, im: Path, policies: list[str], out: Path) -> None:
+    """For each policy: ``llama-quantize --imatrix IM F16 REF POLICY 2`` and ``quantize gguf F16
+    --policy POLICY --imatrix IM`` on llama.cpp's own F16 conversion of ``model``
+    (``convert_hf_to_gguf.py --outtype f16``, the tools of scripts/llamacpp_tools.py); prints
+    whether each pair of files is identical, byte for byte."""
+    import filecmp
+    import subprocess
+    import sys
+
+    import llamacpp_tools
+
+    f16 = out / "llamacpp-f16.gguf"
+    llamacpp_tools.convert_hf(model, f16)
+    quantize = Path(sys.executable).parent / "quantize"
+    for policy in policies:
+        ref, ours = out / f"llama-quantize-{policy}-imatrix.gguf", out / f"quantize-gguf-{policy}-imatrix.gguf"
+        subprocess.run([str(llamacpp_tools.tool("llama-quantize")), "--imatrix", str(im), str(f16), str(ref),
+                        policy, "2"], check=True, capture_output=True)
+        subprocess.run([str(quantize), "gguf", str(f16), "--policy", policy, "--imatrix", str(im), "-o", str(ours),
+                        "--quiet", "--force"], check=True, stdout=subprocess.DEVNULL)
+        print(f"{policy} --imatrix on llama.cpp's F16 file: quantize gguf and llama-quantize identical: "
+              f"{filecmp.cmp(ref, ours, shallow=False)}", flush=True)
 
 
 def print_grid(model: Path, types: list[str], layer: int = 10) -> None:

@@ -100,14 +100,20 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
     return q8
 
 
+def convert_hf(model_dir: Path, out: Path, outtype: str = "f16") -> Path:
+    """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT`` (offline); returns ``out``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"), str(model_dir),
+                    "--outtype", outtype, "--outfile", str(out)],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
 def _convert_f16(f16: Path) -> None:
     """``convert_hf_to_gguf.py --outtype f16`` of SmolLM2 into ``f16`` (staged, renamed)."""
     with tempfile.TemporaryDirectory(dir=f16.parent) as tmp:
         t = Path(tmp, f16.name)
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"),
-                        str(assets.smollm2_dir()), "--outtype", "f16", "--outfile", str(t)],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        convert_hf(assets.smollm2_dir(), t)
         t.rename(f16)
 
 

@@ -171,7 +171,8 @@ def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of the float tensor ``x`` is finite (True when empty): its
     smallest and largest are (torch's ``amin``/``amax`` propagate NaN). Two reductions with no
     temporary: 2**19 float32 elements in 0.06 ms on one thread, against 0.94 ms for
-    ``torch.isfinite(x).all()`` (``scripts/micro_figures.py --weighted``). Synchronizes with the device (returns a Python bool)."""
+    ``torch.isfinite(x).all()`` (``scripts/micro_figures.py --weighted``). Synchronizes with
+    the device (returns a Python bool)."""
     if x.numel() == 0:
         return True
     return bool(torch.isfinite(torch.stack([x.amin(), x.amax()])).all())
@@ -182,8 +183,8 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
     shape (>= 0, or NaN/inf) -> float32 of the same shape, on ``x``'s device.
 
     ``torch.sqrt`` on float32 is not correctly rounded on every backend (torch 2.13's AVX-512
-    CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the CPU this is NumPy's float32 square root, the
-    processor's IEEE instruction (``sqrtps``/``vsqrtps``, NEON ``fsqrt``), correctly rounded:
+    CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the
+    CPU this is NumPy's float32 square root, the processor's IEEE instruction (``sqrtps``/``vsqrtps``, NEON ``fsqrt``), correctly rounded:
     0.36 ns per element against 7.2-7.5 ns for :func:`sqrtf_checked` (one thread, 2**19
     elements, ``scripts/micro_figures.py --weighted``), which made Q5_0 with an imatrix
     40-44 ns per weight instead of 54-61. Other devices: :func:`sqrtf_checked`.

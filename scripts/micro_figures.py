@@ -52,7 +52,8 @@ per element).
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, gguf-py given rows merged to
-``GGUF_PY_ROW_ELEMENTS`` values against the rows as they are, two runs each.
+``GGUF_PY_ROW_ELEMENTS`` values against the rows as they are, and our side in pieces of
+``CHECK_PIECE_ELEMENTS`` against whole chunks, two runs each.
 
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
@@ -498,17 +499,21 @@ def weighted_codecs() -> None:
 
 
 def round_trip(model: Path) -> None:
-    """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread,
-    gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values and given the rows as they
-    are, two runs each, alternating (the sources read once before, so both find them in the
-    page cache)."""
+    """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread:
+    as it is (gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values, our side in
+    pieces of ``CHECK_PIECE_ELEMENTS``), with gguf-py given the rows as they are, and with our
+    side on whole chunks; two runs each, alternating (the sources read once before, so all
+    find them in the page cache)."""
     from quantpress.convert import gguf_roundtrip
     from quantpress.runtime import bound_heap
     from quantpress.targets.gguf import plan_from_hf
 
     bound_heap()
     torch.set_num_threads(1)
-    merged = gguf_roundtrip.GGUF_PY_ROW_ELEMENTS
+    merged, piece = gguf_roundtrip.GGUF_PY_ROW_ELEMENTS, gguf_roundtrip.CHECK_PIECE_ELEMENTS
+    ways = {f"as it is (rows merged to {merged} values, pieces of {piece})": (merged, piece),
+            "gguf-py given rows as they are": (0, piece),
+            "our side on whole chunks": (merged, gguf_roundtrip.VERIFY_CHUNK_ELEMENTS)}
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "q4_k_m.gguf"
         subprocess.run([str(Path(sys.executable).parent / "convert"), "hf-to-gguf", str(model),
@@ -517,18 +522,19 @@ def round_trip(model: Path) -> None:
         plan = plan_from_hf(model, "Q4_K_M")
         for st in plan.tensors:
             st.load()
-        times: dict[int, list[float]] = {merged: [], 0: []}
+        times: dict[str, list[float]] = {w: [] for w in ways}
         for _ in range(2):
-            for rows in (merged, 0):
+            for way, (rows, pieces) in ways.items():
                 gguf_roundtrip.GGUF_PY_ROW_ELEMENTS = rows
+                gguf_roundtrip.CHECK_PIECE_ELEMENTS = pieces
                 t0 = time.perf_counter()
                 rep = gguf_roundtrip.verify_gguf(out, plan.tensors, plan.types, torch.device("cpu"))
-                times[rows].append(time.perf_counter() - t0)
+                times[way].append(time.perf_counter() - t0)
                 assert rep.ok, rep.mismatches[:3]
-        gguf_roundtrip.GGUF_PY_ROW_ELEMENTS = merged
-    print(f"verify_gguf of {model.name}'s Q4_K_M, one thread: rows merged to {merged} values "
-          f"{min(times[merged]):.2f}-{max(times[merged]):.2f} s, rows as they are "
-          f"{min(times[0]):.2f}-{max(times[0]):.2f} s")
+        gguf_roundtrip.GGUF_PY_ROW_ELEMENTS, gguf_roundtrip.CHECK_PIECE_ELEMENTS = merged, piece
+    print(f"verify_gguf of {model.name}'s Q4_K_M, one thread:")
+    for way, ts in times.items():
+        print(f"  {way:<60s} {min(ts):.2f}-{max(ts):.2f} s")
 
 
 def exit_freeze() -> None:
@@ -577,7 +583,8 @@ def main() -> int:
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
-                         "with gguf-py given merged rows against rows as they are")
+                         "with gguf-py given merged rows against rows as they are, our side in "
+                         "pieces against whole chunks")
     ap.add_argument("--exit", action="store_true",
                     help="only the console commands' exit (gc.freeze) against a plain sys.exit")
     args = ap.parse_args()

@@ -571,8 +571,9 @@ def test_round_trip_chunks_cover_every_row_once(monkeypatch):
 
 
 def test_round_trip_reports_the_same_in_any_chunking(prepared, tmp_path, monkeypatch):
-    """A file's round trip with small chunks and merged rows of 3 (a remainder in most
-    tensors) finds what it finds with the defaults: every tensor ok, the same errors."""
+    """A file's round trip with small chunks, merged rows of 3 (a remainder in most
+    tensors) and our side in pieces of 5 rows of 256 (a remainder in most chunks) finds
+    what it finds with the defaults: every tensor ok, the same errors."""
     from quantpress.quantize.ggml.common import single_threaded_ops
 
     t = _fresh(prepared, ["Q4_K_M"])[0]
@@ -582,6 +583,7 @@ def test_round_trip_reports_the_same_in_any_chunking(prepared, tmp_path, monkeyp
         base = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
         monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
         monkeypatch.setattr(gguf_roundtrip, "GGUF_PY_ROW_ELEMENTS", 3 * 256)
+        monkeypatch.setattr(gguf_roundtrip, "CHECK_PIECE_ELEMENTS", 5 * 256)
         small = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
     assert base.ok and small.ok and not small.mismatches
     assert [(r.name, r.type) for r in small.tensors] == [(r.name, r.type) for r in base.tensors]
@@ -591,3 +593,43 @@ def test_round_trip_reports_the_same_in_any_chunking(prepared, tmp_path, monkeyp
     # 12.6M-value embedding and output head differ by up to 2.6e-5 relative, the rest less)
     for a, b in zip(base.tensors, small.tensors):
         assert a.max_abs_err == b.max_abs_err and a.rmse == pytest.approx(b.rmse, rel=1e-4)
+
+
+def test_round_trip_counts_values_the_dequantizers_disagree_on(prepared, tmp_path, monkeypatch):
+    """Our dequantization made to differ from gguf-py's in the last value of every piece it
+    is given (pieces of 4 rows of 256, chunks of 2^14 values): the round trip fails and
+    names every tensor with the number of its pieces as the count of values that differ, so
+    each piece of each chunk is compared once."""
+    from quantpress.quantize import ggml as ggml_codecs
+    from quantpress.quantize.ggml.common import single_threaded_ops
+
+    t = _fresh(prepared, ["Q4_K_M"])[0]
+    out = tmp_path / "a.gguf"
+    GGUFTarget.write_together([t], [out], [Run(progress=False)])
+
+    class OffByOne:
+        def __getattr__(self, name):
+            return getattr(ggml_codecs, name)
+
+        @staticmethod
+        def dequantize(b, tname):
+            v = ggml_codecs.dequantize(b, tname)
+            v.view(-1)[-1] += 1.0
+            return v
+
+    monkeypatch.setattr(gguf_roundtrip, "CHECK_PIECE_ELEMENTS", 4 * 256)
+    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 14)
+    monkeypatch.setattr(gguf_roundtrip, "ggml", OffByOne())
+    with single_threaded_ops():
+        rep = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
+    differ = {m.split(":")[0]: m for m in rep.mismatches if "dequantize differ" in m}
+    assert not rep.ok and len(differ) == len(t.plan.tensors)
+    many = 0
+    for st in t.plan.tensors:
+        rows, cols = math.prod(st.shape[:-1]), st.shape[-1]
+        piece = max(1, 4 * 256 // cols)
+        n = sum(-(-(r1 - r0) // piece) for r0, r1, _ in gguf_roundtrip.chunk_rows(rows, cols))
+        many += n > 2
+        assert differ[st.name] == (f"{st.name}: gguf-py and quantpress dequantize differ in {n} values "
+                                   f"({t.plan.types[st.name]})"), differ[st.name]
+    assert many > 10, many

@@ -64,7 +64,8 @@ def main() -> None:
     if args.grid:
         print_grid(model, args.grid)
     src = Source(model, compute, CalibOptions(samples=args.samples, seqlen=args.seqlen))
-    im = out / "smollm2.imatrix.gguf"
+    stem = model.name.lower()           # the files' names: smollm2-135m-instruct-Q4_K_M.gguf, ...
+    im = out / f"{stem}.imatrix.gguf"
     t0 = time.perf_counter()
     produce(ImatrixOptions(), src, im, force=True)
     t_im = time.perf_counter() - t0
@@ -72,7 +73,7 @@ def main() -> None:
     for policy in args.policies:
         for with_im in (False, True):
             name = f"{policy} --imatrix" if with_im else policy
-            f = out / f"smollm2-{policy}{'-imatrix' if with_im else ''}.gguf"
+            f = out / f"{stem}-{policy}{'-imatrix' if with_im else ''}.gguf"
             t0 = time.perf_counter()
             s = produce(GGUFOptions(policy, imatrix=str(im) if with_im else None), Source(model, compute), f,
                         force=True)
@@ -81,7 +82,7 @@ def main() -> None:
     for t in args.native:
         for with_im in (False, True):
             name = f"Q8_0, ffn_down {t}" + (" --imatrix" if with_im else "")
-            f = out / f"smollm2-ffn_down-{t}{'-imatrix' if with_im else ''}.gguf"
+            f = out / f"{stem}-ffn_down-{t}{'-imatrix' if with_im else ''}.gguf"
             t0 = time.perf_counter()
             s = produce(GGUFOptions("Q8_0", imatrix=str(im) if with_im else None, tensor_type=(f"ffn_down={t}",)),
                         Source(model, compute), f, force=True)

@@ -101,11 +101,16 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
 
 
 def convert_hf(model_dir: Path, out: Path, outtype: str = "f16") -> Path:
-    """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT`` (offline); returns ``out``."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"), str(model_dir),
-                    "--outtype", outtype, "--outfile", str(out)],
-                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT`` (offline, the
+    pinned source of :func:`llamacpp_src`); returns ``out``. Raises RuntimeError with the
+    end of the converter's stderr when it fails."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")     # (the script puts its own gguf-py first)
+    res = subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"), str(model_dir),
+                          "--outtype", outtype, "--outfile", str(out)],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py {model_dir} --outtype {outtype} failed "
+                           f"(exit {res.returncode}):\n{res.stderr[-4000:]}")
     return out
 
 

@@ -5,22 +5,18 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+import llamacpp_tools
 
-def ref_convert(llamacpp_src: Path, model_dir: Path, out: Path, outtype: str = "f16") -> Path:
-    """``convert_hf_to_gguf.py MODEL --outtype OUTTYPE --outfile OUT`` (offline)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")  # the script puts its own gguf-py first
-    subprocess.run([sys.executable, str(Path(llamacpp_src) / "convert_hf_to_gguf.py"), str(model_dir),
-                    "--outtype", outtype, "--outfile", str(out)], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
+
+def ref_convert(model_dir: Path, out: Path, outtype: str = "f16") -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py MODEL --outtype OUTTYPE --outfile OUT`` (offline):
+    ``scripts/llamacpp_tools.convert_hf``, which raises RuntimeError with its stderr."""
+    return llamacpp_tools.convert_hf(model_dir, out, outtype)
 
 
 def ref_quantize(src: Path, out: Path, policy: str, nthread: int = 2) -> Path:

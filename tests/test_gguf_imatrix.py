@@ -33,7 +33,7 @@ CASES = ([("llama", p) for p in POLICIES] + [("qwen3", "Q2_K_S"), ("qwen3", "IQ4
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, llamacpp_src, synth_llama_dir, synth_qwen3_dir):
+def inputs(tmp_path_factory, synth_llama_dir, synth_qwen3_dir):
     """F16 GGUFs by llama.cpp's converter and an imatrix per model: ours for the synthetic
     models (4 rows of 64 tokens), llama-imatrix's for SmolLM2 (2 chunks of 128 tokens), in
     GGUF and legacy .dat."""
@@ -41,8 +41,8 @@ def inputs(tmp_path_factory, llamacpp_src, synth_llama_dir, synth_qwen3_dir):
     text = d / "calib.txt"
     text.write_text("\n\n".join(a.strip() for a in data.calibration_articles(assets.standard_cal_data())[:4]),
                     encoding="utf-8")
-    f16 = {"llama": ref_convert(llamacpp_src, synth_llama_dir, d / "llama-f16.gguf"),
-           "qwen3": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-f16.gguf"),
+    f16 = {"llama": ref_convert(synth_llama_dir, d / "llama-f16.gguf"),
+           "qwen3": ref_convert(synth_qwen3_dir, d / "qwen3-f16.gguf"),
            "smollm2": llamacpp_tools.smollm2_gguf("f16")}
     im = {}
     for key, hf in (("llama", synth_llama_dir), ("qwen3", synth_qwen3_dir)):

@@ -19,9 +19,6 @@ parser against GGUFReader.
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +27,7 @@ import gguf
 import pytest
 
 import synth
-from refs import gguf_header
+from refs import gguf_header, ref_convert
 from quantpress.convert.gguf_policy import (POLICIES, ModelParams, converter_type, default_type,
                                  ftype_id, is_float_policy, is_quantizable, plan_types,
                                  tensor_order)
@@ -129,17 +126,6 @@ def read_gguf_with_reader(path: Path) -> GGUFInfo:
     return GGUFInfo(order, types, shapes, params, field("general.file_type"))
 
 
-def convert_hf(llamacpp_src: Path, model_dir: Path, out: Path, outtype: str) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py as a subprocess."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, str(Path(llamacpp_src) / "convert_hf_to_gguf.py"), str(model_dir),
-           "--outtype", outtype, "--outfile", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf failed:\n{res.stderr[-4000:]}")
-    return out
-
-
 def llama_quantize(src: Path, dst: Path, policy: str, imatrix: bool | GGUFInfo = False) -> None:
     """llama-cpp-python's ``llama_model_quantize`` with default parameters, 2 threads.
     ``imatrix``: True passes an (empty) importance matrix, which only sets has_imatrix; a
@@ -201,9 +187,8 @@ class References:
     def gguf_path(self, key: str, outtype: str = "f16") -> Path:
         k = (key, outtype)
         if k not in self._ggufs:
-            src = self._request.getfixturevalue("llamacpp_src")
             out = self._tmp.mktemp(f"gguf_{key}") / f"{key}-{outtype}.gguf"
-            self._ggufs[k] = convert_hf(src, self.model_dir(key), out, outtype)
+            self._ggufs[k] = ref_convert(self.model_dir(key), out, outtype)
         return self._ggufs[k]
 
     def info(self, key: str, outtype: str = "f16") -> GGUFInfo:

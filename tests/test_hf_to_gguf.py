@@ -18,10 +18,10 @@ PROVENANCE = {"general.name", "general.basename", "general.size_label", "general
 
 
 @pytest.fixture(scope="module")
-def ref_f16(tmp_path_factory, llamacpp_src, synth_llama_dir, synth_qwen3_dir):
+def ref_f16(tmp_path_factory, synth_llama_dir, synth_qwen3_dir):
     d = tmp_path_factory.mktemp("ref_f16")
-    return {"llama": (synth_llama_dir, ref_convert(llamacpp_src, synth_llama_dir, d / "llama.gguf")),
-            "qwen3": (synth_qwen3_dir, ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3.gguf"))}
+    return {"llama": (synth_llama_dir, ref_convert(synth_llama_dir, d / "llama.gguf")),
+            "qwen3": (synth_qwen3_dir, ref_convert(synth_qwen3_dir, d / "qwen3.gguf"))}
 
 
 def assert_same_tensors(ours, ref):
@@ -42,8 +42,8 @@ def test_policy_types_and_bytes_equal_llama_quantize(tmp_path, ref_f16, arch, po
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), ref)
 
 
-def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir, llamacpp_src):
-    ref_path = ref_convert(llamacpp_src, smollm2_dir, tmp_path / "ref.gguf")
+def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir):
+    ref_path = ref_convert(smollm2_dir, tmp_path / "ref.gguf")
     s = gguf(smollm2_dir, tmp_path / "ours.gguf", "F16")
     assert s.roundtrip.startswith("ok") and len(s.details["tensors"]) == 272
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), tensors_of(ref_path))
@@ -56,14 +56,14 @@ def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir, llamacpp_s
 
 
 @pytest.mark.parametrize("policy", ["Q4_K_M", "Q6_K"])
-def test_smollm2_quantized_equals_llama_quantize(tmp_path, smollm2_dir, llamacpp_src, policy):
-    f16 = ref_convert(llamacpp_src, smollm2_dir, tmp_path / "ref-f16.gguf")
+def test_smollm2_quantized_equals_llama_quantize(tmp_path, smollm2_dir, policy):
+    f16 = ref_convert(smollm2_dir, tmp_path / "ref-f16.gguf")
     ref = tensors_of(ref_quantize(f16, tmp_path / "ref.gguf", policy))
     gguf(smollm2_dir, tmp_path / "ours.gguf", policy)
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), ref)
 
 
-def test_sharded_bf16_source(tmp_path, smollm2_dir, llamacpp_src):
+def test_sharded_bf16_source(tmp_path, smollm2_dir):
     import torch
     import synth
 
@@ -71,7 +71,7 @@ def test_sharded_bf16_source(tmp_path, smollm2_dir, llamacpp_src):
                            max_shard_size="8MB", num_hidden_layers=4)
     assert (src / "model.safetensors.index.json").exists()
     for policy, outtype in (("BF16", "bf16"), ("Q4_K_M", "auto")):
-        ref = ref_convert(llamacpp_src, src, tmp_path / f"ref-{outtype}.gguf", outtype)
+        ref = ref_convert(src, tmp_path / f"ref-{outtype}.gguf", outtype)
         if policy != "BF16":
             ref = ref_quantize(ref, tmp_path / "ref-q.gguf", policy)
         gguf(src, tmp_path / f"ours-{policy}.gguf", policy)

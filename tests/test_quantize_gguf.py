@@ -13,13 +13,13 @@ from refs import kvs_of, ref_convert, ref_quantize, tensors_of
 
 
 @pytest.fixture(scope="module")
-def f16(tmp_path_factory, llamacpp_src, synth_qwen3_dir):
+def f16(tmp_path_factory, synth_qwen3_dir):
     """llama.cpp's F16 files: SmolLM2 (tied embeddings, 576-wide rows with fallbacks) and the
     synthetic qwen3 (q/k norms, GQA); and its BF16 file of the qwen3 (loaded as bfloat16)."""
     d = tmp_path_factory.mktemp("requant_f16")
     return {"smollm2": llamacpp_tools.smollm2_gguf("f16"),
-            "qwen3": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-f16.gguf"),
-            "qwen3-bf16": ref_convert(llamacpp_src, synth_qwen3_dir, d / "qwen3-bf16.gguf", "bf16")}
+            "qwen3": ref_convert(synth_qwen3_dir, d / "qwen3-f16.gguf"),
+            "qwen3-bf16": ref_convert(synth_qwen3_dir, d / "qwen3-bf16.gguf", "bf16")}
 
 
 @pytest.mark.parametrize("model,policy", [("smollm2", "Q4_K_M"), ("qwen3", "Q3_K_S"),

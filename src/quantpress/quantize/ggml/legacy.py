@@ -21,6 +21,8 @@ With an importance matrix (``quantize_row_q*_impl``) Q4_0/Q5_0 use K-quants'
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import GGMLType, register
@@ -94,12 +96,18 @@ def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
 _QH_TABLE = torch.tensor([[16 * ((v >> j) & 1) for j in range(8)] for v in range(256)], dtype=torch.uint8)
 
 
+@functools.lru_cache(maxsize=None)
+def _qh_table(device: torch.device) -> torch.Tensor:
+    """:data:`_QH_TABLE` on ``device``, copied there once."""
+    return _QH_TABLE.to(device)
+
+
 def _unpack_qh(qh: torch.Tensor) -> torch.Tensor:
     """uint8 [nb, 4] -> uint8 [nb, 32] of 0/16: bit j of the u32 -> 16 for element j.
     (Each byte's row of a 256 x 8 table, gathered with int32 indices: Q5_0's dequantization
     of 4M values took 10.8-11.4 ms against 16.4-16.8 ms with masks on the bytes and a
     bool -> uint8 view, ``scripts/micro_figures.py --dequantize`` before and after.)"""
-    rows = torch.index_select(_QH_TABLE.to(qh.device), 0, qh.reshape(-1).to(torch.int32))
+    rows = torch.index_select(_qh_table(qh.device), 0, qh.reshape(-1).to(torch.int32))
     return rows.reshape(qh.shape[0], 32)
 
 

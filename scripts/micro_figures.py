@@ -50,6 +50,11 @@ nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqr
 ``sqrtf_checked`` (their weights' exact square roots on the CPU / other devices: nanoseconds
 per element).
 
+With ``--select`` only the K-quant searches' update of their accepted fits
+(``quantize.ggml.kquants._RowSelect``, through the int32 bits) against ``torch.where``: microseconds
+per update of a [5, 8192] state, then Q4_K and Q6_K of 2M values with each (one thread,
+alternating, four runs each; the same bytes).
+
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, gguf-py given rows merged to
 ``GGUF_PY_ROW_ELEMENTS`` values against the rows as they are, and our side in pieces of
@@ -498,6 +503,48 @@ def weighted_codecs() -> None:
           f"torch.isfinite(v).all() {best_ms(lambda: bool(torch.isfinite(v).all()), n=20):6.3f} ms")
 
 
+def state_select() -> None:
+    """``kquants._RowSelect`` against ``torch.where(take, new, state, out=state)``: one update
+    of a [5, 8192] float32 state (best of 2,000), then Q4_K and Q6_K of 8,192 x 256 values with
+    the searches using each (one thread, alternating, four runs each, the bytes compared)."""
+    from quantpress.quantize.ggml import kquants
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    state, new = torch.randn(5, 8192, generator=g), torch.randn(5, 8192, generator=g)
+    take = torch.rand(8192, generator=g) < 0.3
+
+    class WhereSelect:
+        def __init__(self, st: torch.Tensor, nw: torch.Tensor):
+            self.st, self.nw = st, nw
+
+        def __call__(self, tk: torch.Tensor) -> None:
+            torch.where(tk, self.nw, self.st, out=self.st)
+
+    real = kquants._RowSelect
+    ways = {"int32 bits (_RowSelect)": real, "torch.where": WhereSelect}
+    for way, cls in ways.items():
+        sel = cls(state, new)
+        us = best_ms(lambda: [sel(take) for _ in range(2000)], n=3) * 1e3 / 2000
+        print(f"update of a [5, 8192] state, {way:24s} {us:6.1f} us")
+    x = torch.randn(8192, 256, generator=g) * 0.02
+    took: dict[tuple[str, str], list[float]] = {}
+    out: dict[tuple[str, str], bytes] = {}
+    try:
+        for _ in range(4):
+            for way, cls in ways.items():
+                kquants._RowSelect = cls
+                for name, fn in (("Q4_K", kquants.quantize_q4_k), ("Q6_K", kquants.quantize_q6_k)):
+                    t = time.perf_counter()
+                    out[way, name] = fn(x).numpy().tobytes()
+                    took.setdefault((way, name), []).append(time.perf_counter() - t)
+    finally:
+        kquants._RowSelect = real
+    for (way, name), ts in took.items():
+        same = out[way, name] == out["torch.where", name]
+        print(f"{name} of 2M values, {way:24s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms (same bytes: {same})")
+
+
 def round_trip(model: Path) -> None:
     """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread:
     as it is (gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values, our side in
@@ -580,6 +627,8 @@ def main() -> int:
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
     ap.add_argument("--weighted", action="store_true",
                     help="only the importance-weighted codecs' times and sqrtf's")
+    ap.add_argument("--select", action="store_true",
+                    help="only the K-quant searches' state update: int32 bits against torch.where")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
@@ -609,6 +658,9 @@ def main() -> int:
         return 0
     if args.exit:
         exit_freeze()
+        return 0
+    if args.select:
+        state_select()
         return 0
     if args.round_trip:
         round_trip(args.round_trip)

@@ -255,8 +255,6 @@ def slice_sizes(exponents: list[int], model: Path, rounds: int = 3) -> None:
     (``quantize.ggml.common.CPU_SLICE_ELEMENTS``) for each e of ``exponents``, ``rounds``
     times alternating; prints each run's wall seconds and whether the files are identical."""
     import filecmp
-    import subprocess
-    import tempfile
 
     code = ("import sys; from quantpress.quantize.ggml import common; "
             "common.CPU_SLICE_ELEMENTS = 1 << int(sys.argv[1]); "

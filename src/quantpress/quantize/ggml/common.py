@@ -184,10 +184,11 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
 
     ``torch.sqrt`` on float32 is not correctly rounded on every backend (torch 2.13's AVX-512
     CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the
-    CPU this is NumPy's float32 square root, the processor's IEEE instruction (``sqrtps``/``vsqrtps``, NEON ``fsqrt``), correctly rounded:
-    0.36 ns per element against 7.2-7.5 ns for :func:`sqrtf_checked` (one thread, 2**19
-    elements, ``scripts/micro_figures.py --weighted``), which made Q5_0 with an imatrix
-    40-44 ns per weight instead of 54-61. Other devices: :func:`sqrtf_checked`.
+    CPU this is NumPy's float32 square root, the processor's IEEE instruction (``sqrtps``/
+    ``vsqrtps``, NEON ``fsqrt``), correctly rounded: 0.36 ns per element against 7.2-7.5 ns
+    for :func:`sqrtf_checked` (one thread, 2**19 elements, ``scripts/micro_figures.py
+    --weighted``), which made Q5_0 with an imatrix 40-44 ns per weight instead of 54-61.
+    Other devices: :func:`sqrtf_checked`.
     """
     if x.device.type != "cpu":
         return sqrtf_checked(x)

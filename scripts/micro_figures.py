@@ -41,7 +41,7 @@ With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which
 checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
 one thread, the glibc heap bounded as the targets bound it (best of five); then Q4_K's nibble
 unpacking on uint8 against through int32, the round trip's bit comparison by
-``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
+``np.array_equal`` and ``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
 trip's reference) of about 4M values with rows as they are and merged into rows of
 ``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``.
 
@@ -54,6 +54,11 @@ With ``--select`` only the K-quant searches' update of their accepted fits
 (``quantize.ggml.kquants._RowSelect``, through the int32 bits) against ``torch.where``: microseconds
 per update of a [5, 8192] state, then Q4_K and Q6_K of 2M values with each (one thread,
 alternating, four runs each; the same bytes).
+
+With ``--seq-sum`` only the codecs' sequential float32 sums (``quantize.ggml.common.seq_sum0``):
+numpy's axis-0 reduce against a loop of torch adds on the K-quant searches' shapes
+(microseconds per sum), then Q4_K, Q6_K and Q5_0 with an imatrix of 2M values with each
+(one thread, alternating, four runs each; the same bytes).
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, gguf-py given rows merged to
@@ -81,6 +86,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -442,7 +448,8 @@ def dequantizers() -> None:
     for name, raw in raws.items():
         print(f"dequantize {name:5s} of 1024 x 4096: {best_ms(lambda: ggml.dequantize(raw, name)):6.2f} ms")
     # the choices inside: Q4_K's nibbles split on uint8 then converted once, against through
-    # int32; the round trip's bit comparison by torch.equal, against counting the differences
+    # int32; the round trip's bit comparison by np.array_equal and torch.equal, against
+    # counting the differences
     qs = raws["Q4_K"].reshape(-1, 144)[:, 16:144].reshape(-1, 4, 1, 32)
 
     def on_uint8():
@@ -453,10 +460,14 @@ def dequantizers() -> None:
         return torch.cat([q & 0xF, q >> 4], dim=2).to(torch.float32)
     assert torch.equal(on_uint8(), on_int32())
     print(f"Q4_K nibbles of 1024 x 4096: on uint8 {best_ms(on_uint8):6.2f} ms, through int32 {best_ms(on_int32):6.2f} ms")
-    a = ggml.dequantize(raws["Q4_K"], "Q4_K").reshape(-1).view(torch.int32)
+    # (on one of the check's pieces, which it compares while they are in the cache)
+    from quantpress.convert.gguf_roundtrip import CHECK_PIECE_ELEMENTS
+    a = ggml.dequantize(raws["Q4_K"], "Q4_K").reshape(-1)[:CHECK_PIECE_ELEMENTS].view(torch.int32)
     b = a.clone()
-    print(f"bit comparison of 1024 x 4096: torch.equal {best_ms(lambda: torch.equal(a, b)):6.2f} ms, "
-          f"(a != b).sum() {best_ms(lambda: int((a != b).sum())):6.2f} ms")
+    an, bn = a.numpy(), b.numpy()
+    print(f"bit comparison of {a.numel()} values: torch.equal {best_ms(lambda: torch.equal(a, b), n=50) * 1e3:6.1f} us, "
+          f"np.array_equal {best_ms(lambda: np.array_equal(an, bn), n=50) * 1e3:6.1f} us, "
+          f"(a != b).sum() {best_ms(lambda: int((a != b).sum()), n=50) * 1e3:6.1f} us")
     # gguf-py's dequantization (the round trip's reference) of 4M values with rows as they
     # are and with consecutive rows merged into rows of GGUF_PY_ROW_ELEMENTS elements
     from gguf import GGMLQuantizationType
@@ -543,6 +554,53 @@ def state_select() -> None:
         print(f"{name} of 2M values, {way:24s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms (same bytes: {same})")
 
 
+def seq_sums() -> None:
+    """``common.seq_sum0`` (C's sequential float32 sums) through numpy's axis-0 reduce against
+    the loop of torch adds it replaced, one thread: the sums of the K-quant searches' shapes
+    alone (best of 200), then Q4_K and Q6_K of 8,192 x 256 values and Q5_0 with an imatrix
+    (alternating, four runs each, the bytes compared)."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import common
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+
+    def adds(p: torch.Tensor, out: torch.Tensor) -> None:
+        rows = p.unbind(0)
+        torch.add(rows[0], 0.0, out=out)
+        for r in rows[1:]:
+            out.add_(r)
+
+    for shape, what in (((32, 3, 8192), "Q4_K's products"), ((32, 8192), "Q4_K's error"),
+                        ((16, 2, 16384), "Q6_K's products")):
+        p = torch.randn(shape, generator=g)
+        out = torch.empty(shape[1:])
+        loop = best_ms(lambda: adds(p, out), n=200) * 1e3
+        red = best_ms(lambda: common.seq_sum0(p, out), n=200) * 1e3
+        print(f"sum of {str(list(shape)):16s} ({what:16s}): torch adds {loop:6.1f} us, numpy reduce {red:6.1f} us")
+    x = torch.randn(8192, 256, generator=g) * 0.02
+    qw = torch.rand(256, generator=g) + 0.1
+    real = common.SEQ_SUM_NUMPY_MIN
+    ways = {"numpy reduce": real, "torch adds": 1 << 62}
+    codecs = (("Q4_K", lambda: ggml.quantize(x, "Q4_K")), ("Q6_K", lambda: ggml.quantize(x, "Q6_K")),
+              ("Q5_0 imatrix", lambda: ggml.quantize(x, "Q5_0", qw)))
+    took: dict[tuple[str, str], list[float]] = {}
+    out: dict[tuple[str, str], bytes] = {}
+    try:
+        for _ in range(4):
+            for way, least in ways.items():
+                common.SEQ_SUM_NUMPY_MIN = least
+                for name, fn in codecs:
+                    t = time.perf_counter()
+                    out[way, name] = fn().numpy().tobytes()
+                    took.setdefault((way, name), []).append(time.perf_counter() - t)
+    finally:
+        common.SEQ_SUM_NUMPY_MIN = real
+    for (way, name), ts in took.items():
+        same = out[way, name] == out["torch adds", name]
+        print(f"{name:12s} of 2M values, {way:12s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms (same bytes: {same})")
+
+
 def round_trip(model: Path) -> None:
     """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread:
     as it is (gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values, our side in
@@ -627,6 +685,8 @@ def main() -> int:
                     help="only the importance-weighted codecs' times and sqrtf's")
     ap.add_argument("--select", action="store_true",
                     help="only the K-quant searches' state update: int32 bits against torch.where")
+    ap.add_argument("--seq-sum", action="store_true",
+                    help="only the codecs' sequential sums: numpy's reduce against torch adds")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
@@ -659,6 +719,9 @@ def main() -> int:
         return 0
     if args.select:
         state_select()
+        return 0
+    if args.seq_sum:
+        seq_sums()
         return 0
     if args.round_trip:
         round_trip(args.round_trip)

@@ -308,6 +308,40 @@ def test_round_trip_error_is_small(name):
     assert err < limit, err
 
 
+@pytest.mark.parametrize("from_first", [False, True])
+def test_seq_sum0_adds_in_c_order(from_first):
+    """common.seq_sum0 == C's ``s = 0; for (i...) s += p[i]`` (``from_first``: ``s = p[0]``
+    then i from 1), bit for bit and with the sign of zero, on values spread over 40 binary
+    orders of magnitude (where any other order of the adds rounds differently), on both of
+    its paths (numpy's reduce from SEQ_SUM_NUMPY_MIN sums up, the loop of adds below) and
+    on shapes where numpy would reduce along the fast axis (one column) or the input is not
+    contiguous. The reference adds one numpy float32 scalar at a time."""
+    r = np.random.default_rng(11)
+    shapes = [(1, 70), (2, 64), (9, 1), (32, 1), (16, 63), (16, 64), (17, 2, 33), (32, 3, 700),
+              (33, 8192), (256, 65)]
+    cases = []
+    for shape in shapes:
+        a = (r.standard_normal(shape) * np.exp(r.uniform(-14, 14, shape))).astype(np.float32)
+        cases.append(torch.from_numpy(a))
+    zeros = torch.full((5, 80), -0.0)            # C's +0 start: a sum of -0.0 is +0
+    zeros[1:, 40:] = 0.0                         # (from_first: -0 where every term is -0)
+    cases += [zeros, cases[-1].t()]              # the last: a transposed (strided) view
+    for p in cases:
+        flat = p.contiguous().numpy().reshape(p.shape[0], -1)
+        ref = np.empty(flat.shape[1], dtype=np.float32)
+        for j in range(flat.shape[1]):
+            s = flat[0, j] if from_first else np.float32(0.0)
+            for i in range(1 if from_first else 0, flat.shape[0]):
+                s = np.float32(s + flat[i, j])
+            ref[j] = s
+        got = common.seq_sum0(p, from_first=from_first)
+        out = torch.empty(p.shape[1:])
+        into = common.seq_sum0(p, out, from_first=from_first)
+        assert into.data_ptr() == out.data_ptr()
+        for g in (got, out):
+            assert np.array_equal(g.numpy().reshape(-1).view(np.int32), ref.view(np.int32)), p.shape
+
+
 def test_first_absmax_ties_and_zero_sign():
     """C keeps the first element of strictly largest |x|, +0.0 for all-zero, never NaN."""
     x = torch.tensor([[0.5, -0.5, 0.1], [-0.0, 0.0, -0.0], [float("nan"), -2.0, 2.0]])

@@ -33,6 +33,7 @@ import procs
 from quantpress.convert import gguf_file, gguf_roundtrip
 from quantpress.convert.gguf_roundtrip import SourceTensor
 from quantpress.errors import InputError
+from quantpress.quantize.ggml import common
 from quantpress.targets import GGUFOptions, Run, produce
 from quantpress.targets.gguf import GGUFTarget
 
@@ -452,7 +453,7 @@ def one_codec_worker(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     assert processes.start_codec_processes(1) == 1
-    monkeypatch.setattr(gguf_file, "CPU_WINDOW_ROUNDS", max(1, (1 << 20) // (2 * gguf_file.CPU_SLICE_ELEMENTS)))
+    monkeypatch.setattr(gguf_file, "CPU_WINDOW_ROUNDS", max(1, (1 << 20) // (2 * common.CPU_SLICE_ELEMENTS)))
     yield
     torch.set_num_threads(before)
     processes.close_codec_processes()

@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from quantpress.quantize import ggml
-from quantpress.quantize.ggml.common import CPU_SLICE_ELEMENTS, intra_op_threads
+from quantpress.quantize.ggml import common as ggml_common
+from quantpress.quantize.ggml.common import intra_op_threads
 from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
 from quantpress.runtime import trim_heap
@@ -182,11 +183,13 @@ CPU_WINDOW_ROUNDS = 16
 def _window_elements(device: torch.device) -> int:
     """Elements read before a window is encoded: off the CPU :data:`WINDOW_ELEMENTS`; on the
     CPU :data:`CPU_WINDOW_ROUNDS` slices per lane where codec processes are running (the
-    calling thread and each worker a lane), else 0 (one tensor at a time)."""
+    calling thread and each worker a lane), else 0 (one tensor at a time). The slice size
+    is read at the call (``quantize.ggml.common.CPU_SLICE_ELEMENTS``), so that a window is
+    always that many of the slices the codecs cut."""
     if device.type != "cpu":
         return WINDOW_ELEMENTS
     lanes = len(codec_process_ids()) + 1
-    return 0 if lanes < 2 else CPU_WINDOW_ROUNDS * lanes * CPU_SLICE_ELEMENTS
+    return 0 if lanes < 2 else CPU_WINDOW_ROUNDS * lanes * ggml_common.CPU_SLICE_ELEMENTS
 
 
 class _ReadAhead:

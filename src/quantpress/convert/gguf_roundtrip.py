@@ -192,6 +192,17 @@ def drop_pages(reader: GGUFReader, rt) -> None:
         pass
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether int32 tensors ``a`` and ``b`` (same shape, one device) hold the same values:
+    numpy's ``array_equal`` on the CPU (a piece of 2^18 values in the cache: 30 us against
+    168 us for torch.equal and 170 us for counting the differences through a bool tensor,
+    ``scripts/micro_figures.py --dequantize``), ``torch.equal`` elsewhere. The differences
+    are counted only where this finds some."""
+    if a.device.type == "cpu":
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)
+
+
 def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | None,
                   device: torch.device, rep: RoundTrip) -> None:
     """The round trip of one tensor (:func:`verify_gguf`): ``rt`` the reader's tensor, ``st``
@@ -221,9 +232,7 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
             ours = ggml.dequantize(torch.from_numpy(raw[p0:p1].copy()).to(device), tname).reshape(-1)
             ref_bits = ref_t[(p0 - r0) * cols:(p1 - r0) * cols].view(torch.int32)
             our_bits = ours.view(torch.int32)
-            # (torch.equal first: counting through a bool tensor takes twice as long,
-            # scripts/micro_figures.py --dequantize)
-            diff = ours.new_zeros(()) if torch.equal(ref_bits, our_bits) else (ref_bits != our_bits).sum()
+            diff = ours.new_zeros(()) if _same_bits(ref_bits, our_bits) else (ref_bits != our_bits).sum()
             x = src[p0:p1].to(device=device, dtype=torch.float32).reshape(-1)
             e = torch.sub(ours, x, out=ours)    # (ours is this piece's own, compared above)
             lo, hi = torch.aminmax(e)

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
-from .common import fdiv
+from .common import fdiv, seq_sum0
 
 # elements processed per chunk by quantize()/dequantize() off the CPU: bounds the temporaries
 # of the search-based K-quants (a handful of float32 copies of the chunk) independently of
@@ -122,10 +122,7 @@ def row_sigma2(rows: torch.Tensor) -> torch.Tensor:
     sigma2 = sum_x2/n_per_row;`` per row (``quantize_row_q4_0_impl`` …): float32 [r, n] ->
     float32 [r, 1], sequential with one rounding per step."""
     sq = (rows * rows).t().contiguous()        # positions first: each step one contiguous row
-    acc = sq[0].clone()
-    for j in range(1, sq.shape[0]):
-        acc.add_(sq[j])
-    return fdiv(acc, float(rows.shape[1])).unsqueeze(1)
+    return fdiv(seq_sum0(sq), float(rows.shape[1])).unsqueeze(1)
 
 
 def _row_sigma2_by_width(xs: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, nearest_int, sliced, sqrtf
+from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, nearest_int, seq_sum0, sliced, sqrtf
 
 QK4_NL = 32
 QK_K = 256
@@ -78,15 +78,6 @@ def best_index_int8(x: torch.Tensor) -> torch.Tensor:
     return idx.index_select(0, _table_pos(x, False)).view(x.shape)
 
 
-def _seq_sum0(p: torch.Tensor) -> torch.Tensor:
-    """C ``s = 0; for (j ...) s += p[j];`` over dim 0 of ``p`` [n, ...] (float32): starts
-    from +0.0 (so an all -0.0 sum is +0.0, as in C) and adds one row at a time."""
-    acc = p[0] + 0.0
-    for j in range(1, p.shape[0]):
-        acc.add_(p[j])
-    return acc
-
-
 def _block_scales(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The per-block scale search of ``quantize_row_iq4_nl_impl`` (``ntry = 7``).
 
@@ -112,7 +103,7 @@ def _block_scales(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         wq = w * q
         torch.mul(wq, x, out=pp[:, 0])
         torch.mul(wq, q, out=pp[:, 1])
-        s = _seq_sum0(pp)
+        s = seq_sum0(pp)
         return s[0], s[1]
 
     d = fdiv(-mx, float(KVALUES_IQ4NL[0]))
@@ -135,7 +126,7 @@ def _weights(xs: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     x2 = xs * xs
     if qw is None:
         return x2
-    sigma2 = _seq_sum0(x2) * f32(2.0 / xs.shape[0])
+    sigma2 = seq_sum0(x2) * f32(2.0 / xs.shape[0])
     return qw * sqrtf(sigma2 + x2)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import GGMLType, register
-from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, sliced, sqrtf, to_int8
+from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, seq_sum0, sliced, sqrtf, to_int8
 
 QK_K = 256
 GROUP_MAX_EPS = f32(1e-15)
@@ -43,27 +43,6 @@ def _levels_blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
     [n, nb * (256 // n)] (0..255) -> uint8 [nb, 256] in block order. The transpose is done as a 2-D float32 copy, which torch
     blocks for the cache (a permuted or uint8 copy is several times slower)."""
     return L.t().contiguous().reshape(nb, QK_K).to(torch.uint8)
-
-
-def _seq_sum_rows(p: torch.Tensor) -> torch.Tensor:
-    """Sequential float32 sum over axis 0 (``acc += p[i]`` for i = 0, 1, ...): [n, ...] -> [...]."""
-    rows = p.unbind(0)
-    acc = rows[0].clone()
-    add = acc.add_
-    for r in rows[1:]:
-        add(r)
-    return acc
-
-
-def _seq_sum_into(rows, out: torch.Tensor) -> torch.Tensor:
-    """Sequential float32 sum ``out = rows[0]; out += rows[i]`` for i = 1, 2, ... into the
-    preallocated ``out``; ``rows`` are views bound once (e.g. ``p.unbind(0)``): indexing a
-    tensor per position costs as much as the add on CPU."""
-    out.copy_(rows[0])
-    add = out.add_
-    for r in rows[1:]:
-        add(r)
-    return out
 
 
 def _positive_max(s: torch.Tensor) -> torch.Tensor:
@@ -214,7 +193,6 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     la = torch.empty_like(x)
     la2 = la.unsqueeze(1)
     p = torch.empty((n, 2, S), dtype=x.dtype, device=dev)
-    p_rows = p.unbind(0)
     pl2 = p[:, 1]
     # ST = [sel (the inverse scale whose L is kept), scale, best]; NEW: the step's candidate
     ST = torch.empty((3, S), dtype=torch.float32, device=dev)
@@ -238,8 +216,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
             la.masked_fill_(la.isnan(), 0.0)
         torch.mul(wwx, la2, out=p)          # (w*x)*l, w*l
         pl2.mul_(la)                        # (w*l)*l
-        _seq_sum_into(p_rows, s)
-        s.add_(0.0)                         # C's sums start at +0: a sum of zeros is +0
+        seq_sum0(p, s)
 
     torch.div(torch.full_like(mx, float(-nmax)), mx, out=sel)
     sums(sel)
@@ -289,7 +266,7 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     torch.mul(wx, L, out=p[:, 0])
     torch.mul(w, L, out=p[:, 1])
     p[:, 1].mul_(L)
-    s = _seq_sum_rows(p)
+    s = seq_sum0(p)
     sumlx, suml2 = s[0], s[1]
     del p
 
@@ -377,9 +354,10 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     # per-sub-block scalars live in rows of small buffers, so that one op updates several
     V = torch.empty((5, S), dtype=torch.float32, device=dev)     # sum_x, sum_w, then the step's sum_l2, sum_l, sum_xl
     sum_x, sum_w = V[0], V[1]
-    _seq_sum_into(w.unbind(0), sum_w)
+    # C starts these two with the first term: sum_w = weights[0], sum_x = sum_w*x[0]
+    seq_sum0(w, sum_w, from_first=True)
     wx = w * x
-    _seq_sum_into(wx.unbind(0), sum_x)      # starts with sum_w*x[0] = w[0]*x[0]
+    seq_sum0(wx, sum_x, from_first=True)
     del wx
     mn0 = torch.where(xmin > 0, 0.0, xmin)
     degenerate = mx == mn0
@@ -388,9 +366,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     fast_ok = FAST_ROUNDING_ON_CPU and x.device.type == "cpu"
     T = None if fast_ok else torch.empty_like(x)
     E = torch.empty_like(x)
-    E_rows = E.unbind(0)
     p = torch.empty((n, 3, S), dtype=x.dtype, device=dev)      # w*l*l, w*l, w*l*x
-    p_rows = p.unbind(0)
     chk = torch.empty((2, S), dtype=torch.float32, device=dev)
 
     def quant(iscale: torch.Tensor, mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -426,7 +402,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         else:
             E.mul_(E)
         E.mul_(w)
-        return _seq_sum_into(E_rows, out)
+        return seq_sum0(E, out)
 
     # state: ST = [sel_iscale, sel_shift, best, scale, min]; the step's candidate
     # NEW = [iscale, min used, error, this_scale, this_min]; an accepted step copies NEW
@@ -460,8 +436,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         torch.mul(w, la, out=p[:, 1])       # w*l
         torch.mul(p[:, 1], la, out=p[:, 0])  # (w*l)*l
         torch.mul(p[:, 1], x, out=p[:, 2])  # (w*l)*x
-        _seq_sum_into(p_rows, V[2:5])       # sum_l2, sum_l, sum_xl
-        V[2:5].add_(0.0)                    # C's sums start at +0: a sum of zeros is +0
+        seq_sum0(p, V[2:5])                 # sum_l2, sum_l, sum_xl
         torch.mul(V[2::2], sum_w, out=Q[0:2])   # sum_w*sum_l2, sum_w*sum_xl
         torch.mul(V[2:4], sum_x, out=Q[2::2])   # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
         torch.mul(V[3:5], V[3], out=Q[3::2])    # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
@@ -503,7 +478,7 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
 
     def mse(scale: torch.Tensor, lf: torch.Tensor) -> torch.Tensor:
         diff = x - scale * lf
-        return _seq_sum_rows(w * diff * diff)   # (w*diff)*diff, left to right
+        return seq_sum0(w * diff * diff)   # (w*diff)*diff, left to right
 
     # first estimate: L stored unclamped as uint8, and that stored value enters the error
     best = mse(fdiv(1.0, iscale), (nearest_int(iscale * x) & 0xFF).to(torch.float32))
@@ -518,8 +493,8 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     l = nearest_int(iscale * x).clamp_max_(nmax)
     wx = w * x
     lf = l.to(torch.float32)
-    sumlx = _seq_sum_rows(wx * lf) + 0.0  # (C's sums start at +0: a sum of zeros is +0)
-    suml2 = _seq_sum_rows(w * lf * lf) + 0.0
+    sumlx = seq_sum0(wx * lf)
+    suml2 = seq_sum0(w * lf * lf)
     L = l & 0xFF                        # uint8 L[i]; the passes below read the stored value
     for _ in range(5):
         # a pass that changes nothing leaves the state as it was, so running all 5 passes
@@ -600,7 +575,7 @@ def quantize_q2_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None =
     nb = x.shape[0]
     xs = _positions_first(x, 16)
     w = _importance_weights(xs, qw, _superblock_sigma2(x, 1.0))
-    sw = _by_block(_seq_sum_rows(w), nb)
+    sw = _by_block(seq_sum0(w), nb)
     scale, the_min, L = make_qkx2_quants(xs, w, 3, -0.9, 0.05, 36, False)
     del w
     d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 15)
@@ -685,7 +660,7 @@ def quantize_q3_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None =
     nb = x.shape[0]
     xs = _positions_first(x, 16)
     w = _importance_weights(xs, qw, _superblock_sigma2(x, 2.0))
-    sw = _by_block(_seq_sum_rows(w), nb)
+    sw = _by_block(seq_sum0(w), nb)
     scale, L = make_qx_quants(xs, 4, w)
     del w
     d, ls = make_qx_quants(_by_block(scale, nb), 32, sw)
@@ -738,7 +713,7 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     fp16 d/dmin and the requantized L (uint8 [nb, 256], 0..nmax)."""
     nb = x.shape[0]
     xs = _positions_first(x, 32)
-    sum_x2 = _seq_sum_rows(xs * xs)
+    sum_x2 = seq_sum0(xs * xs)
     av_x = sqrtf(fdiv(sum_x2, 32.0))
     w = xs.abs()
     w += av_x
@@ -761,7 +736,7 @@ def _superblock_sigma2(x: torch.Tensor, factor: float) -> torch.Tensor:
     """C's ``sumx2 = 0; for (j = 0; j < QK_K; ++j) sumx2 += x[j]*x[j]; sigma2 =
     factor*sumx2/QK_K`` (factor 2 in Q3_K..Q5_K, 1 in Q2_K): float32 [nb, 256] -> [nb]."""
     xt = x.t().contiguous()             # positions first: the 256 steps on contiguous rows
-    s = _seq_sum_rows(xt * xt)
+    s = seq_sum0(xt * xt)
     if factor != 1:
         s = s * factor
     return fdiv(s, float(QK_K))
@@ -801,7 +776,7 @@ def _k4_scales_weighted(x: torch.Tensor, qw: torch.Tensor, nmax: int):
     nb = x.shape[0]
     xs = _positions_first(x, 32)
     w = _importance_weights(xs, qw, _superblock_sigma2(x, 2.0))
-    sw = _by_block(_seq_sum_rows(w), nb)
+    sw = _by_block(seq_sum0(w), nb)
     scale, the_min, L = make_qkx2_quants(xs, w, nmax, -0.9, 0.05, 36, False)
     del w
     d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 63)

@@ -88,6 +88,29 @@ def test_workers_give_the_bytes_of_one_thread(name, lanes, monkeypatch):
         assert torch.equal(with_workers, alone) and torch.equal(threads, alone), (name, imatrix is None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_are_widened_per_slice(dtype, lanes, monkeypatch):
+    """A float16/bfloat16 input goes to the codecs as it is and is widened slice by slice (in
+    the workers too): the bytes equal those of the same values given in float32, with the
+    workers, over the threads and on one thread, for a search codec with and without an
+    imatrix, a plain one (Q8_0) and a float type (BF16 from float16: via float32, as ggml)."""
+    x = _blocks(3).to(dtype)
+    wide = x.to(torch.float32)
+    qw = torch.rand(256, generator=torch.Generator().manual_seed(4)) + 0.01
+    for name, imatrix in (("Q4_K", None), ("Q4_K", qw), ("Q5_0", qw), ("Q8_0", None), ("BF16", None), ("F16", None)):
+        want = _one_thread(lambda: ggml.quantize(wide, name, imatrix=imatrix))
+        lanes.clear()
+        got = ggml.quantize(x, name, imatrix=imatrix)
+        if name in ("Q4_K", "Q5_0"):
+            assert lanes and lanes[0] >= 3, (name, lanes)      # the workers took slices
+        alone = _one_thread(lambda: ggml.quantize(x, name, imatrix=imatrix))
+        with monkeypatch.context() as m:
+            m.setattr(processes, "map_slices", lambda *a: None)
+            threads = ggml.quantize(x, name, imatrix=imatrix)
+        for out in (got, alone, threads):
+            assert torch.equal(out, want), (name, imatrix is None, dtype)
+
+
 def test_workers_slow_to_start(monkeypatch):
     """Workers that wait a second before touching their shared areas (as processes left
     unscheduled on a busy machine): nothing is copied into an area before its worker says

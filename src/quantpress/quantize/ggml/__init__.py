@@ -43,7 +43,9 @@ class GGMLType:
     """One ggml type.
 
     ``block_size`` is elements per block, ``type_size`` bytes per block.
-    ``quantize_blocks``: float32 [nb, block_size] -> uint8 [nb, type_size].
+    ``quantize_blocks``: float32 [nb, block_size] -> uint8 [nb, type_size] (any float dtype
+    is taken and widened to float32 exactly: on the CPU one slice at a time,
+    ``common.map_block_slices``).
     ``dequantize_blocks``: uint8 [nb, type_size] -> float32 [nb, block_size].
     ``quantize_blocks_weighted``: the path ``ggml_quantize_chunk`` takes with an importance
     matrix (``quantize_row_<type>_impl``), or None when the type ignores it (Q8_0, F16 …):
@@ -211,7 +213,10 @@ def quantize_many(xs: Sequence[torch.Tensor], name: str,
         q = torch.empty((x.shape[0], t.type_size), dtype=torch.uint8, device=device)
         step = _blocks_per_chunk(x.shape[0], bs, device)
         for b0 in range(0, x.shape[0], step):
-            chunk = x[b0:b0 + step].to(torch.float32)
+            # (on the CPU the codecs widen each slice to float32 themselves, so that no float32
+            # copy of the whole input is made: the 554M random llama's 75M-value output head
+            # is 302 MB in float32)
+            chunk = x[b0:b0 + step] if device.type == "cpu" else x[b0:b0 + step].to(torch.float32)
             if use_w:
                 q[b0:b0 + step] = t.quantize_blocks_weighted(
                     chunk, w[b0:b0 + step], None if s2 is None else s2[b0:b0 + step])

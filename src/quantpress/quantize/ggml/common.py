@@ -367,12 +367,21 @@ def serial_codecs():
         _pool_local.worker = before
 
 
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """A floating tensor in float32 (exactly: float16 and bfloat16 widen without rounding;
+    ``x`` itself when already float32); any other tensor (a dequantizer's bytes) as it is."""
+    return x.to(torch.float32) if x.is_floating_point() else x
+
+
 def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
     ``more``: further arguments of ``fn``; tensors among them are [nb, ...] and sliced along
-    with ``x`` (None and other values are passed as they are).
-    Other devices: ``fn(x, *more)`` once. CPU: the rows are cut into slices of about
+    with ``x`` (None and other values are passed as they are). A floating ``x`` may be of
+    any float dtype: ``fn`` is given it in float32 (:func:`widened`), one slice at a time on the CPU,
+    so that a float16/bfloat16 input is never copied whole into float32 (nor into a codec
+    process's shared area: the process widens its slices itself).
+    Other devices: ``fn(x in float32, *more)`` once. CPU: the rows are cut into slices of about
     :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated in order. The codecs
     issue thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading
     costs more than it brings (and stalls badly on a busy machine), so ops run single-threaded
@@ -386,12 +395,12 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     Raises what ``fn`` raises; RuntimeError when a codec process dies during the call.
     """
     if x.device.type != "cpu":
-        return fn(x, *more)
+        return fn(widened(x), *more)
     nb, k = x.shape
 
     def part(i: int, step: int) -> torch.Tensor:
         args = [m[i:i + step] if isinstance(m, torch.Tensor) else m for m in more]
-        return fn(x[i:i + step], *args)
+        return fn(widened(x[i:i + step]), *args)
 
     with single_threaded_ops() as threads:
         per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice

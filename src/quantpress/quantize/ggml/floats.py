@@ -1,4 +1,6 @@
-"""F32, F16 and BF16 "codecs" (block size 1): exact conversions with RNE rounding."""
+"""F32, F16 and BF16 "codecs" (block size 1): exact conversions with RNE rounding, from float32
+(an input of another float dtype is widened to float32 first, as ggml converts from it: torch's
+direct float16 -> bfloat16 conversion differs from it for some values)."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +17,7 @@ def _dq_f32(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q_f16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, 2)
+    return x.to(torch.float32).to(torch.float16).contiguous().view(torch.uint8).reshape(-1, 2)
 
 
 def _dq_f16(b: torch.Tensor) -> torch.Tensor:
@@ -24,7 +26,7 @@ def _dq_f16(b: torch.Tensor) -> torch.Tensor:
 
 def _q_bf16(x: torch.Tensor) -> torch.Tensor:
     # ggml_compute_fp32_to_bf16: NaN -> quiet NaN with the sign kept, else round to nearest even
-    return x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1, 2)
+    return x.to(torch.float32).to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1, 2)
 
 
 def _dq_bf16(b: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,9 @@ def _resolve(ref: tuple[str, str, bool]):
 
 def _serve(conn, area: SharedArea, inherited: list) -> None:
     """A worker's loop: touches its area, answers ``("ready",)``; then requests: ``(fn reference, args, slot start, slot end)``, ``args`` the
-    codec's arguments with each tensor replaced by ``("area", start, dtype, shape)``. Answers
+    codec's arguments with each tensor replaced by ``("area", start, dtype, shape)``, the first
+    being the codec's input slice, which it is given in float32 when floating
+    (``common.map_block_slices`` sends it as it is, e.g. float16). Answers
     ``("area", start, dtype, shape)`` (the result, written into the slot after the inputs),
     ``("value", ndarray)`` (a result larger than what the slot has left) or ``("error", e)``.
     Ends when the pipe closes."""
@@ -102,6 +104,7 @@ def _serve(conn, area: SharedArea, inherited: list) -> None:
             fn = _resolve(ref)
             real = [area.view(*a[1:]) if isinstance(a, tuple) and a[:1] == ("area",) else a
                     for a in args]
+            real[0] = common.widened(real[0])       # the input slice, in float32
             with torch.no_grad():
                 out = fn(*real).contiguous()
             at = -(-max(a[1] + math.prod(a[3]) * a[2].itemsize for a in args

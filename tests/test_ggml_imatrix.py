@@ -152,6 +152,28 @@ def test_slicing_does_not_change_bytes(name, monkeypatch):
     _check(x, name, _imatrix("lognormal", 1024, seed=5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_sigma2_in_groups_of_rows(dtype, monkeypatch):
+    """row_sigma2 on the CPU works in groups of rows (here of 64 rows, the least, and a
+    ragged last one): every row's sum is C's sequential float32 sum of x², bit for bit
+    (the reference adds one numpy float32 at a time), for float32 and float16 input; and
+    the Q5_0 bytes over such groups equal llama.cpp's."""
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 256 * 5)
+    r = np.random.default_rng(8)
+    x = (r.standard_normal((150, 96)) * np.exp(r.uniform(-6, 6, (150, 96)))).astype(np.float32)
+    t = torch.from_numpy(x).to(dtype)
+    wide = t.to(torch.float32).numpy()
+    ref = np.empty((150, 1), dtype=np.float32)
+    for i in range(150):
+        s = np.float32(0.0)
+        for v in wide[i]:
+            s = np.float32(s + np.float32(v * v))
+        ref[i, 0] = np.float32(s / np.float32(96))
+    got = qg.row_sigma2(t)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.int32), ref.view(np.int32))
+    _check(_random_tensor(9, 150, 256), "Q5_0", _imatrix("lognormal", 256, seed=6))
+
+
 # ----------------------------------------------------------------------------- other paths
 
 def test_q8_0_ignores_imatrix():

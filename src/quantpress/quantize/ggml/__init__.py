@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
+from . import common
 from .common import fdiv, seq_sum0
 
 # elements processed per chunk by quantize()/dequantize() off the CPU: bounds the temporaries
@@ -121,10 +122,20 @@ def _rows_per_chunk(n: int, rows: int, device: torch.device) -> int:
 
 def row_sigma2(rows: torch.Tensor) -> torch.Tensor:
     """C's ``sum_x2 = 0; for (j = 0; j < n_per_row; ++j) sum_x2 += x[j]*x[j];
-    sigma2 = sum_x2/n_per_row;`` per row (``quantize_row_q4_0_impl`` …): float32 [r, n] ->
-    float32 [r, 1], sequential with one rounding per step."""
-    sq = (rows * rows).t().contiguous()        # positions first: each step one contiguous row
-    return fdiv(seq_sum0(sq), float(rows.shape[1])).unsqueeze(1)
+    sigma2 = sum_x2/n_per_row;`` per row (``quantize_row_q4_0_impl`` …): float [r, n] (any
+    float dtype, widened to float32 exactly) -> float32 [r, 1], sequential with one rounding
+    per step. On the CPU in groups of about ``common.CPU_SLICE_ELEMENTS`` values (at least
+    ``common.SEQ_SUM_NUMPY_MIN`` rows, so that each group's sums are one NumPy call), so that
+    its float32 copies stay that size; elsewhere all rows at once (one add per position,
+    whatever the row count)."""
+    r, n = rows.shape
+    step = r if rows.device.type != "cpu" else max(common.SEQ_SUM_NUMPY_MIN, common.CPU_SLICE_ELEMENTS // max(1, n))
+    out = torch.empty((r, 1), dtype=torch.float32, device=rows.device)
+    for r0 in range(0, r, step):
+        part = rows[r0:r0 + step].to(torch.float32)
+        sq = (part * part).t().contiguous()    # positions first: each step one contiguous row
+        out[r0:r0 + step, 0] = fdiv(seq_sum0(sq), float(n))
+    return out
 
 
 def _row_sigma2_by_width(xs: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
@@ -137,7 +148,7 @@ def _row_sigma2_by_width(xs: list[torch.Tensor], block_size: int) -> list[torch.
         by_width.setdefault(x.shape[-1], []).append(i)
     for n, group in by_width.items():
         rows = [xs[i].reshape(-1, n) for i in group]
-        s2 = row_sigma2(torch.cat(rows).to(torch.float32) if len(rows) > 1 else rows[0].to(torch.float32))
+        s2 = row_sigma2(torch.cat(rows) if len(rows) > 1 else rows[0])
         for i, part in zip(group, torch.split(s2, [r.shape[0] for r in rows])):
             out[i] = part.repeat_interleave(n // block_size, 0)
     return out

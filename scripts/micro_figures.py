@@ -537,21 +537,34 @@ def state_select() -> None:
         us = best_ms(lambda: [sel(take) for _ in range(2000)], n=3) * 1e3 / 2000
         print(f"update of a [5, 8192] state, {way:24s} {us:6.1f} us")
     x = torch.randn(8192, 256, generator=g) * 0.02
+
+    def use(cls) -> None:
+        kquants._RowSelect = cls
+    codec_ab(ways, use, (("Q4_K", lambda: kquants.quantize_q4_k(x)), ("Q6_K", lambda: kquants.quantize_q6_k(x))),
+             "torch.where", 24)
+
+
+def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:
+    """Time each of ``codecs`` ((name, function returning the bytes tensor)) under each of
+    ``ways`` (label -> the value ``use`` installs), alternating, ``rounds`` runs each; print
+    each's times and whether its bytes equal those under the ``reference`` way. The first
+    way's value is installed again at the end."""
     took: dict[tuple[str, str], list[float]] = {}
     out: dict[tuple[str, str], bytes] = {}
     try:
-        for _ in range(4):
-            for way, cls in ways.items():
-                kquants._RowSelect = cls
-                for name, fn in (("Q4_K", kquants.quantize_q4_k), ("Q6_K", kquants.quantize_q6_k)):
+        for _ in range(rounds):
+            for way, value in ways.items():
+                use(value)
+                for name, fn in codecs:
                     t = time.perf_counter()
-                    out[way, name] = fn(x).numpy().tobytes()
+                    out[way, name] = fn().numpy().tobytes()
                     took.setdefault((way, name), []).append(time.perf_counter() - t)
     finally:
-        kquants._RowSelect = real
+        use(next(iter(ways.values())))
     for (way, name), ts in took.items():
-        same = out[way, name] == out["torch.where", name]
-        print(f"{name} of 2M values, {way:24s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms (same bytes: {same})")
+        same = out[way, name] == out[reference, name]
+        print(f"{name:12s} of 2M values, {way:{width}s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms "
+              f"(same bytes: {same})")
 
 
 def seq_sums() -> None:
@@ -580,25 +593,12 @@ def seq_sums() -> None:
         print(f"sum of {str(list(shape)):16s} ({what:16s}): torch adds {loop:6.1f} us, numpy reduce {red:6.1f} us")
     x = torch.randn(8192, 256, generator=g) * 0.02
     qw = torch.rand(256, generator=g) + 0.1
-    real = common.SEQ_SUM_NUMPY_MIN
-    ways = {"numpy reduce": real, "torch adds": 1 << 62}
-    codecs = (("Q4_K", lambda: ggml.quantize(x, "Q4_K")), ("Q6_K", lambda: ggml.quantize(x, "Q6_K")),
-              ("Q5_0 imatrix", lambda: ggml.quantize(x, "Q5_0", qw)))
-    took: dict[tuple[str, str], list[float]] = {}
-    out: dict[tuple[str, str], bytes] = {}
-    try:
-        for _ in range(4):
-            for way, least in ways.items():
-                common.SEQ_SUM_NUMPY_MIN = least
-                for name, fn in codecs:
-                    t = time.perf_counter()
-                    out[way, name] = fn().numpy().tobytes()
-                    took.setdefault((way, name), []).append(time.perf_counter() - t)
-    finally:
-        common.SEQ_SUM_NUMPY_MIN = real
-    for (way, name), ts in took.items():
-        same = out[way, name] == out["torch adds", name]
-        print(f"{name:12s} of 2M values, {way:12s} {min(ts) * 1e3:6.1f}-{max(ts) * 1e3:6.1f} ms (same bytes: {same})")
+    ways = {"numpy reduce": common.SEQ_SUM_NUMPY_MIN, "torch adds": 1 << 62}
+
+    def use(least: int) -> None:
+        common.SEQ_SUM_NUMPY_MIN = least
+    codec_ab(ways, use, (("Q4_K", lambda: ggml.quantize(x, "Q4_K")), ("Q6_K", lambda: ggml.quantize(x, "Q6_K")),
+                         ("Q5_0 imatrix", lambda: ggml.quantize(x, "Q5_0", qw))), "torch adds", 12)
 
 
 def round_trip(model: Path) -> None:

@@ -92,10 +92,10 @@ def seq_sum0(p: torch.Tensor, out: torch.Tensor | None = None, from_first: bool 
     numpy.sum's notes; a single column would be such an axis, hence the bound;
     tests/test_ggml_codecs.py checks the bits against one add at a time): one call, which
     releases the GIL, instead of n - 1 torch adds, each with its dispatch. Q4_K's sums of
-    [32, 3, 8192] products 77 us against 122 us, of [32, 8192] errors 40 against 71; Q4_K of
-    2M values 143-150 ms against 156-159, Q5_0 with an imatrix 82-87 against 87-94, Q6_K
-    within the noise (one thread, ``scripts/micro_figures.py --seq-sum``). Elsewhere the
-    loop of adds, one vectorized op per position.
+    [32, 3, 8192] products 78 us against 125 us, of [32, 8192] errors 29 against 71; Q4_K of
+    2M values 142-146 ms against 156-158, Q5_0 with an imatrix (its row sums too) 71-78
+    against 86-90, Q6_K within the noise (one thread, ``scripts/micro_figures.py
+    --seq-sum``). Elsewhere the loop of adds, one vectorized op per position.
     """
     if (not from_first and p.device.type == "cpu" and p.dim() >= 2 and p.is_contiguous()
             and p[0].numel() >= SEQ_SUM_NUMPY_MIN and (out is None or out.is_contiguous())):

@@ -202,7 +202,9 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     s = torch.empty((2, S), dtype=torch.float32, device=dev)
     sumlx, suml2 = s.unbind(0)
     take = torch.empty(S, dtype=torch.bool, device=dev)
+    pos = torch.empty(S, dtype=torch.bool, device=dev)
     t2 = torch.empty(S, dtype=torch.float32, device=dev)
+    t3 = torch.empty(S, dtype=torch.float32, device=dev)
     keep = _RowSelect(ST, NEW)
 
     def sums(iscale: torch.Tensor) -> None:
@@ -228,11 +230,11 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
             continue
         # C: -(nmax + 0.1f*is) / max
         num = f32(nmax + f32(f32(0.1) * step))
-        torch.div(torch.full_like(mx, -num), mx, out=iscale)
+        iscale.fill_(-num).div_(mx)
         sums(iscale)
         torch.mul(sumlx, sumlx, out=t2)
-        torch.gt(t2, torch.mul(best, suml2), out=take)
-        take &= suml2 > 0
+        torch.gt(t2, torch.mul(best, suml2, out=t3), out=take)
+        take &= torch.gt(suml2, 0, out=pos)
         torch.div(sumlx, suml2, out=this_scale)
         torch.mul(this_scale, sumlx, out=this_best)
         keep(take)
@@ -426,29 +428,36 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     torch.div(torch.ones_like(den), sel_iscale, out=scale)
     la = torch.empty_like(x)
     error(scale, mn, quant(sel_iscale, mn, la), best)
+    # the loop's operands as views bound once (each indexing is a dispatch of its own)
+    p_l2, p_l, p_xl = p.unbind(1)
+    sums, sum_l, sum_xl, sum_l2 = V[2:5], V[3], V[4], V[2]
+    l2_xl, l2_l, l_xl = V[2::2], V[2:4], V[3:5]
+    q_w, q_x, q_l, q_a, q_b = Q[0:2], Q[2::2], Q[3::2], Q[0:3], Q[3:6]
+    fit_num, fit_d, fit = R[1:3], R[0], NEW[3:5]
+    lt = torch.empty(S, dtype=torch.bool, device=dev)
     for k in range(nstep + 1):
         # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
         num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
         torch.sub(mx, mn, out=den)
-        torch.div(torch.full_like(den, num), den, out=iscale)
+        iscale.fill_(num).div_(den)         # num / (max - min)
         mn_used.copy_(mn)
         quant(iscale, mn, la)
-        torch.mul(w, la, out=p[:, 1])       # w*l
-        torch.mul(p[:, 1], la, out=p[:, 0])  # (w*l)*l
-        torch.mul(p[:, 1], x, out=p[:, 2])  # (w*l)*x
-        seq_sum0(p, V[2:5])                 # sum_l2, sum_l, sum_xl
-        torch.mul(V[2::2], sum_w, out=Q[0:2])   # sum_w*sum_l2, sum_w*sum_xl
-        torch.mul(V[2:4], sum_x, out=Q[2::2])   # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
-        torch.mul(V[3:5], V[3], out=Q[3::2])    # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
-        torch.sub(Q[0:3], Q[3:6], out=R)    # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
-        torch.div(R[1:3], R[0], out=NEW[3:5])   # this_scale, this_min
+        torch.mul(w, la, out=p_l)           # w*l
+        torch.mul(p_l, la, out=p_l2)        # (w*l)*l
+        torch.mul(p_l, x, out=p_xl)         # (w*l)*x
+        seq_sum0(p, sums)                   # sum_l2, sum_l, sum_xl
+        torch.mul(l2_xl, sum_w, out=q_w)    # sum_w*sum_l2, sum_w*sum_xl
+        torch.mul(l2_l, sum_x, out=q_x)     # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
+        torch.mul(l_xl, sum_l, out=q_l)     # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
+        torch.sub(q_a, q_b, out=R)          # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
+        torch.div(fit_num, fit_d, out=fit)  # this_scale, this_min
         torch.gt(this_min, 0, out=pos)
         this_min.masked_fill_(pos, 0.0)
-        torch.div(V[4], V[2], out=alt)      # sum_xl / sum_l2
+        torch.div(sum_xl, sum_l2, out=alt)  # sum_xl / sum_l2
         torch.where(pos, alt, this_scale, out=this_scale)
         error(this_scale, this_min, la, cur)
-        torch.gt(R[0], 0, out=take)
-        take &= cur < best
+        torch.gt(fit_d, 0, out=take)
+        take &= torch.lt(cur, best, out=lt)
         keep(take)
     L = quant(sel_iscale, sel_shift, la)
     scale = torch.where(degenerate, 0.0, scale)

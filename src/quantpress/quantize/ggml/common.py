@@ -378,9 +378,9 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
 
     ``more``: further arguments of ``fn``; tensors among them are [nb, ...] and sliced along
     with ``x`` (None and other values are passed as they are). A floating ``x`` may be of
-    any float dtype: ``fn`` is given it in float32 (:func:`widened`), one slice at a time on the CPU,
-    so that a float16/bfloat16 input is never copied whole into float32 (nor into a codec
-    process's shared area: the process widens its slices itself).
+    any float dtype: ``fn`` is given it in float32 (:func:`widened`), one slice at a time on
+    the CPU, so that a float16/bfloat16 input is never copied whole into float32 (nor into a
+    codec process's shared area: the process widens its slices itself).
     Other devices: ``fn(x in float32, *more)`` once. CPU: the rows are cut into slices of about
     :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated in order. The codecs
     issue thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading

@@ -216,10 +216,11 @@ def test_imatrix_shape_and_dtype(name):
 @pytest.mark.parametrize("chunk_blocks", [None, 7])
 def test_quantize_many_equals_llamacpp_per_tensor(name, chunk_blocks, monkeypatch):
     """quantize_many: tensors of three widths, float32 and float16, with and without importance
-    weights, in one pass (and cut into chunks of 7 blocks, as off the CPU, across tensor
-    boundaries): each tensor's bytes are llama.cpp's for that tensor alone."""
+    weights, in one pass (and cut into chunks of 7 blocks, as off the CPU and with weights on
+    it, across tensor and row boundaries): each tensor's bytes are llama.cpp's for that
+    tensor alone."""
     if chunk_blocks is not None:
-        monkeypatch.setattr(qg, "_blocks_per_chunk", lambda nb, bs, device: chunk_blocks)
+        monkeypatch.setattr(qg, "_blocks_per_chunk", lambda nb, bs, device, weighted=False: chunk_blocks)
     xs = [_random_tensor(20, 5, 256), _random_tensor(21, 3, 1024).astype(np.float16),
           edge_rows(), _random_tensor(22, 2, 512)]
     ims = [_imatrix("lognormal", 256, seed=8), None, _imatrix("zeros", xs[2].shape[1], seed=9),

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
-from . import common
+from . import common, processes
 from .common import fdiv, seq_sum0
 
 # elements processed per chunk by quantize()/dequantize() off the CPU: bounds the temporaries
@@ -106,12 +106,23 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def _blocks_per_chunk(nb: int, block_size: int, device: torch.device) -> int:
-    """Blocks per codec call of quantize_many(): all ``nb`` on the CPU, else
-    :data:`ACCEL_CHUNK_ELEMENTS` worth."""
-    if device.type == "cpu":
+#: on the CPU quantize_many() hands blocks with importance weights to the codec this many
+#: codec slices per lane at a time (the GGUF writer's windows hold as many), so that the
+#: weights, expanded to one float32 per weight for the codec, are made for that many blocks
+#: only (the 554M random llama's 75M-value output head would need 302 MB of them at once)
+CPU_WEIGHTED_ROUNDS = 16
+
+
+def _blocks_per_chunk(nb: int, block_size: int, device: torch.device, weighted: bool = False) -> int:
+    """Blocks per codec call of quantize_many(): all ``nb`` on the CPU (``weighted``:
+    :data:`CPU_WEIGHTED_ROUNDS` slices per lane, a lane being the calling thread and each
+    codec process, or each codec thread), else :data:`ACCEL_CHUNK_ELEMENTS` worth."""
+    if device.type != "cpu":
+        return max(1, ACCEL_CHUNK_ELEMENTS // block_size)
+    if not weighted:
         return max(1, nb)
-    return max(1, ACCEL_CHUNK_ELEMENTS // block_size)
+    lanes = max(len(processes.codec_process_ids()) + 1, min(torch.get_num_threads(), common.CPU_CODEC_THREADS))
+    return max(1, CPU_WEIGHTED_ROUNDS * lanes * common.CPU_SLICE_ELEMENTS // block_size)
 
 
 def _rows_per_chunk(n: int, rows: int, device: torch.device) -> int:
@@ -152,6 +163,20 @@ def _row_sigma2_by_width(xs: list[torch.Tensor], block_size: int) -> list[torch.
         for i, part in zip(group, torch.split(s2, [r.shape[0] for r in rows])):
             out[i] = part.repeat_interleave(n // block_size, 0)
     return out
+
+
+def _weights_of_blocks(patterns: list[torch.Tensor], nb: list[int], b0: int, b1: int) -> torch.Tensor:
+    """The importance weights of blocks ``b0:b1`` of tensors laid end to end (tensor ``i``:
+    ``nb[i]`` blocks, each of its rows the blocks of ``patterns[i]``, float32 [n_i / bs, bs]):
+    float32 [b1 - b0, bs]."""
+    parts, start = [], 0
+    for pattern, count in zip(patterns, nb):
+        lo, hi = max(b0, start), min(b1, start + count)
+        if lo < hi:
+            pos = torch.arange(lo - start, hi - start, device=pattern.device) % pattern.shape[0]
+            parts.append(pattern.index_select(0, pos))
+        start += count
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def quantize(x: torch.Tensor, name: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,7 +227,7 @@ def quantize_many(xs: Sequence[torch.Tensor], name: str,
         idx = [i for i, w in enumerate(imatrices) if (weighted and w is not None) == use_w]
         if not idx:
             continue
-        blocks, ws, s2s = [], [], []
+        blocks, patterns, s2s = [], [], []
         for i in idx:
             n = xs[i].shape[-1]
             t.row_bytes(n)                                  # raises for a bad width
@@ -212,25 +237,26 @@ def quantize_many(xs: Sequence[torch.Tensor], name: str,
                 w = imatrices[i]
                 if w.shape != (n,):
                     raise ValueError(f"{name}: imatrix has shape {tuple(w.shape)}, expected ({n},)")
-                qw = w.to(device=device, dtype=torch.float32).reshape(1, n)
-                ws.append(qw.expand(rows.shape[0], n).reshape(-1, bs))
+                # one row's blocks of weights: block b of the tensor takes row b % (n / bs)
+                patterns.append(w.to(device=device, dtype=torch.float32).reshape(-1, bs))
         if use_w and t.weighted_uses_row_sigma2:
             s2s = _row_sigma2_by_width([xs[i] for i in idx], bs)
         nb = [b.shape[0] for b in blocks]
         x = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        w = None if not use_w else (ws[0] if len(ws) == 1 else torch.cat(ws))
         s2 = None if not s2s else (s2s[0] if len(s2s) == 1 else torch.cat(s2s))
-        del blocks, ws, s2s
+        del blocks, s2s
         q = torch.empty((x.shape[0], t.type_size), dtype=torch.uint8, device=device)
-        step = _blocks_per_chunk(x.shape[0], bs, device)
+        step = _blocks_per_chunk(x.shape[0], bs, device, weighted=use_w)
         for b0 in range(0, x.shape[0], step):
             # (on the CPU the codecs widen each slice to float32 themselves, so that no float32
             # copy of the whole input is made: the 554M random llama's 75M-value output head
             # is 302 MB in float32)
             chunk = x[b0:b0 + step] if device.type == "cpu" else x[b0:b0 + step].to(torch.float32)
             if use_w:
+                w = _weights_of_blocks(patterns, nb, b0, b0 + chunk.shape[0])
                 q[b0:b0 + step] = t.quantize_blocks_weighted(
-                    chunk, w[b0:b0 + step], None if s2 is None else s2[b0:b0 + step])
+                    chunk, w, None if s2 is None else s2[b0:b0 + step])
+                del w
             else:
                 q[b0:b0 + step] = t.quantize_blocks(chunk)
             del chunk

@@ -188,12 +188,10 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     fix_nan = weighted and not all_finite(x)
     if not weighted:
         w = x * x
-    wwx = torch.stack([w * x, w], 1)        # [n, 2, S]: w*x, w
-    del w
-    la = torch.empty_like(x)
-    la2 = la.unsqueeze(1)
+    wx = w * x
+    # the products' planes: p[:, 0] holds the levels l, then (w*x)*l; p[:, 1] (w*l)*l
     p = torch.empty((n, 2, S), dtype=x.dtype, device=dev)
-    pl2 = p[:, 1]
+    pl, pl2 = p.unbind(1)
     # ST = [sel (the inverse scale whose L is kept), scale, best]; NEW: the step's candidate
     ST = torch.empty((3, S), dtype=torch.float32, device=dev)
     NEW = torch.empty((3, S), dtype=torch.float32, device=dev)
@@ -212,12 +210,13 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
         # others are masked at the end), so rounding with round() (half to even) is exact
         # (-0.0 for C's 0 only flips the sign of zero terms, which a sum started at +0,
         # as C's, does not see; a zero sumlx, e.g. from underflowing w*x, has scale +0)
-        torch.mul(x, iscale, out=la)        # iscale*x
-        la.round_().clamp_(-nmax, nmax - 1)
+        torch.mul(x, iscale, out=pl)        # iscale*x
+        pl.round_().clamp_(-nmax, nmax - 1)  # l
         if fix_nan:
-            la.masked_fill_(la.isnan(), 0.0)
-        torch.mul(wwx, la2, out=p)          # (w*x)*l, w*l
-        pl2.mul_(la)                        # (w*l)*l
+            pl.masked_fill_(pl.isnan(), 0.0)
+        torch.mul(w, pl, out=pl2)           # w*l
+        pl2.mul_(pl)                        # (w*l)*l
+        pl.mul_(wx)                         # l*(w*x) = (w*x)*l (one rounded product)
         seq_sum0(p, s)
 
     torch.div(torch.full_like(mx, float(-nmax)), mx, out=sel)
@@ -239,7 +238,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
         torch.mul(this_scale, sumlx, out=this_best)
         keep(take)
     # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
-    torch.mul(x, sel, out=la)
+    la = torch.mul(x, sel)
     L = la.round_().clamp_(-nmax, nmax - 1).add_(nmax)
     if fix_nan:
         L.masked_fill_(L.isnan(), float(nmax))

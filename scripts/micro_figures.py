@@ -40,8 +40,9 @@ as codec processes: wall and CPU seconds.
 With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which the round trip's
 checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
 one thread, the glibc heap bounded as the targets bound it (best of five); then Q4_K's nibble
-unpacking on uint8 against through int32, the round trip's bit comparison by
-``np.array_equal`` and ``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
+unpacking on uint8 against through int32, the round trip's bit comparison of one piece
+(``convert.gguf_roundtrip.CHECK_PIECE_ELEMENTS`` values) by ``np.array_equal`` and
+``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
 trip's reference) of about 4M values with rows as they are and merged into rows of
 ``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``.
 

@@ -1,5 +1,6 @@
-"""Run llama.cpp itself as the reference: its converter (convert_hf_to_gguf.py from the
-pinned source) and its quantizer (llama_model_quantize from llama-cpp-python 0.3.36)."""
+"""Run llama.cpp itself as the reference: its quantizer (llama_model_quantize from
+llama-cpp-python 0.3.36) and readers of the files it writes. Its converter
+(convert_hf_to_gguf.py from the pinned source) is ``scripts/llamacpp_tools.convert_hf``."""
 from __future__ import annotations
 
 import ctypes
@@ -9,14 +10,6 @@ import struct
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-import llamacpp_tools
-
-
-def ref_convert(model_dir: Path, out: Path, outtype: str = "f16") -> Path:
-    """llama.cpp's ``convert_hf_to_gguf.py MODEL --outtype OUTTYPE --outfile OUT`` (offline):
-    ``scripts/llamacpp_tools.convert_hf``, which raises RuntimeError with its stderr."""
-    return llamacpp_tools.convert_hf(model_dir, out, outtype)
 
 
 def ref_quantize(src: Path, out: Path, policy: str, nthread: int = 2) -> Path:

@@ -21,7 +21,7 @@ from quantpress import assets
 from quantpress.calibration import data
 from quantpress.cli.convert_main import main as convert_main
 from quantpress.cli.quantize_main import main as quantize_main
-from refs import kvs_of, ref_convert, tensors_of
+from refs import kvs_of, tensors_of
 
 POLICIES = ["Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q4_0", "Q4_K_S", "Q4_K_M", "Q5_1", "Q5_K_M",
             "Q6_K", "IQ4_NL", "IQ4_XS"]
@@ -41,8 +41,8 @@ def inputs(tmp_path_factory, synth_llama_dir, synth_qwen3_dir):
     text = d / "calib.txt"
     text.write_text("\n\n".join(a.strip() for a in data.calibration_articles(assets.standard_cal_data())[:4]),
                     encoding="utf-8")
-    f16 = {"llama": ref_convert(synth_llama_dir, d / "llama-f16.gguf"),
-           "qwen3": ref_convert(synth_qwen3_dir, d / "qwen3-f16.gguf"),
+    f16 = {"llama": llamacpp_tools.convert_hf(synth_llama_dir, d / "llama-f16.gguf"),
+           "qwen3": llamacpp_tools.convert_hf(synth_qwen3_dir, d / "qwen3-f16.gguf"),
            "smollm2": llamacpp_tools.smollm2_gguf("f16")}
     im = {}
     for key, hf in (("llama", synth_llama_dir), ("qwen3", synth_qwen3_dir)):

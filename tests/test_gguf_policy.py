@@ -27,7 +27,8 @@ import gguf
 import pytest
 
 import synth
-from refs import gguf_header, ref_convert
+from llamacpp_tools import convert_hf
+from refs import gguf_header
 from quantpress.convert.gguf_policy import (POLICIES, ModelParams, converter_type, default_type,
                                  ftype_id, is_float_policy, is_quantizable, plan_types,
                                  tensor_order)
@@ -188,7 +189,7 @@ class References:
         k = (key, outtype)
         if k not in self._ggufs:
             out = self._tmp.mktemp(f"gguf_{key}") / f"{key}-{outtype}.gguf"
-            self._ggufs[k] = ref_convert(self.model_dir(key), out, outtype)
+            self._ggufs[k] = convert_hf(self.model_dir(key), out, outtype)
         return self._ggufs[k]
 
     def info(self, key: str, outtype: str = "f16") -> GGUFInfo:

@@ -8,7 +8,8 @@ import pytest
 from quantpress.cli.convert_main import main as convert_main
 from quantpress.convert.gguf_policy import POLICIES
 from make import gguf
-from refs import kvs_of, ref_convert, ref_quantize, tensors_of
+from llamacpp_tools import convert_hf
+from refs import kvs_of, ref_quantize, tensors_of
 
 # Q2_K_S (refused without an importance matrix), IQ4_NL and IQ4_XS: tests/test_gguf_imatrix.py
 QUANT_POLICIES = [p for p in POLICIES if p not in ("F32", "F16", "BF16", "Q2_K_S", "IQ4_NL", "IQ4_XS")]
@@ -20,8 +21,8 @@ PROVENANCE = {"general.name", "general.basename", "general.size_label", "general
 @pytest.fixture(scope="module")
 def ref_f16(tmp_path_factory, synth_llama_dir, synth_qwen3_dir):
     d = tmp_path_factory.mktemp("ref_f16")
-    return {"llama": (synth_llama_dir, ref_convert(synth_llama_dir, d / "llama.gguf")),
-            "qwen3": (synth_qwen3_dir, ref_convert(synth_qwen3_dir, d / "qwen3.gguf"))}
+    return {"llama": (synth_llama_dir, convert_hf(synth_llama_dir, d / "llama.gguf")),
+            "qwen3": (synth_qwen3_dir, convert_hf(synth_qwen3_dir, d / "qwen3.gguf"))}
 
 
 def assert_same_tensors(ours, ref):
@@ -43,7 +44,7 @@ def test_policy_types_and_bytes_equal_llama_quantize(tmp_path, ref_f16, arch, po
 
 
 def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir):
-    ref_path = ref_convert(smollm2_dir, tmp_path / "ref.gguf")
+    ref_path = convert_hf(smollm2_dir, tmp_path / "ref.gguf")
     s = gguf(smollm2_dir, tmp_path / "ours.gguf", "F16")
     assert s.roundtrip.startswith("ok") and len(s.details["tensors"]) == 272
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), tensors_of(ref_path))
@@ -57,7 +58,7 @@ def test_smollm2_f16_equals_convert_hf_to_gguf(tmp_path, smollm2_dir):
 
 @pytest.mark.parametrize("policy", ["Q4_K_M", "Q6_K"])
 def test_smollm2_quantized_equals_llama_quantize(tmp_path, smollm2_dir, policy):
-    f16 = ref_convert(smollm2_dir, tmp_path / "ref-f16.gguf")
+    f16 = convert_hf(smollm2_dir, tmp_path / "ref-f16.gguf")
     ref = tensors_of(ref_quantize(f16, tmp_path / "ref.gguf", policy))
     gguf(smollm2_dir, tmp_path / "ours.gguf", policy)
     assert_same_tensors(tensors_of(tmp_path / "ours.gguf"), ref)
@@ -71,7 +72,7 @@ def test_sharded_bf16_source(tmp_path, smollm2_dir):
                            max_shard_size="8MB", num_hidden_layers=4)
     assert (src / "model.safetensors.index.json").exists()
     for policy, outtype in (("BF16", "bf16"), ("Q4_K_M", "auto")):
-        ref = ref_convert(src, tmp_path / f"ref-{outtype}.gguf", outtype)
+        ref = convert_hf(src, tmp_path / f"ref-{outtype}.gguf", outtype)
         if policy != "BF16":
             ref = ref_quantize(ref, tmp_path / "ref-q.gguf", policy)
         gguf(src, tmp_path / f"ours-{policy}.gguf", policy)

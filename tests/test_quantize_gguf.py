@@ -9,7 +9,7 @@ import pytest
 import llamacpp_tools
 import make
 from quantpress.cli.quantize_main import main as quantize_main
-from refs import kvs_of, ref_convert, ref_quantize, tensors_of
+from refs import kvs_of, ref_quantize, tensors_of
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,8 @@ def f16(tmp_path_factory, synth_qwen3_dir):
     synthetic qwen3 (q/k norms, GQA); and its BF16 file of the qwen3 (loaded as bfloat16)."""
     d = tmp_path_factory.mktemp("requant_f16")
     return {"smollm2": llamacpp_tools.smollm2_gguf("f16"),
-            "qwen3": ref_convert(synth_qwen3_dir, d / "qwen3-f16.gguf"),
-            "qwen3-bf16": ref_convert(synth_qwen3_dir, d / "qwen3-bf16.gguf", "bf16")}
+            "qwen3": llamacpp_tools.convert_hf(synth_qwen3_dir, d / "qwen3-f16.gguf"),
+            "qwen3-bf16": llamacpp_tools.convert_hf(synth_qwen3_dir, d / "qwen3-bf16.gguf", "bf16")}
 
 
 @pytest.mark.parametrize("model,policy", [("smollm2", "Q4_K_M"), ("qwen3", "Q3_K_S"),

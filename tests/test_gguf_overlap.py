@@ -5,6 +5,7 @@ metadata's errors reach the user as before."""
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -53,7 +54,33 @@ def test_overlapped_plan_writes_the_same_bytes(tiny_llama_dir, tmp_path, single_
     ours = _write(plan, tmp_path / "overlap.gguf")
     n_tensors = len(serial.tensors)
     assert at_header and 0 < at_header[0] < n_tensors      # some, not all, quantized ahead
-    assert len(encoded) == n_tensors                       # and none quantized twice
+    # and no row quantized twice (where the budget ends within a matrix, its rest is one item)
+    assert sum(x.numel() for x, _, _ in encoded) == sum(t.numel for t in serial.tensors)
+    assert ours == _write(serial, tmp_path / "serial.gguf")
+
+
+def test_kvs_arriving_within_a_tensor_end_its_pieces(tiny_llama_dir, tmp_path, single_thread, monkeypatch):
+    # a matrix is quantized ahead of the header in pieces of rows on one lane less; once the
+    # KVs are there (here: after the third piece) the rest of it goes at once, on every lane
+    serial = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M")
+    first = serial.tensors[0]
+    rows, width = first.shape
+    monkeypatch.setattr(gguf_file, "AHEAD_PIECE_ELEMENTS", 2 * width)
+    calls = []
+    real_encode = gguf_file.encode_many
+
+    def encode(items, device):
+        calls.append(([tuple(x.shape) for x, _, _ in items], gguf_target.torch.get_num_threads()))
+        return real_encode(items, device)
+    monkeypatch.setattr(gguf_file, "encode_many", encode)
+    monkeypatch.setattr(PendingKVs, "ready", lambda self: len(calls) >= 3)
+    plan = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M", overlap=True)
+    assert isinstance(plan.kvs, PendingKVs) and plan.tensors[0].name == first.name
+    lanes = gguf_target.torch.get_num_threads()
+    ours = _write(plan, tmp_path / "overlap.gguf")
+    assert rows > 6 and calls[:4] == [([(2, width)], max(1, lanes - 1))] * 3 + [([(rows - 6, width)], lanes)]
+    # the rest of the file is written as usual: no row is quantized twice
+    assert sum(math.prod(s) for shapes, _ in calls for s in shapes) == sum(t.numel for t in serial.tensors)
     assert ours == _write(serial, tmp_path / "serial.gguf")
 
 

@@ -124,6 +124,12 @@ class PendingKVs:
 #: are pending (:class:`PendingKVs`): held in memory until the header is written
 AHEAD_OF_HEADER_BYTES = 256 << 20
 
+#: elements of a matrix quantized ahead of the header at a time (whole rows): the writer
+#: looks for the pending KVs between pieces, and once they are there quantizes the rest of the
+#: tensor on every lane. Whole tensors left a core idle: the 554M random llama's 75M-value
+#: output head and token embedding took ~8 s on one lane while the KVs came after ~3.5 s
+AHEAD_PIECE_ELEMENTS = 1 << 22
+
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
 #: elements: a window is written once it holds this many (or the end is reached), so host
 #: memory holds about this much source data beyond the largest tensor, twice with the next
@@ -325,24 +331,62 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             return {k: raws[slot] for k, slot in slot_of.items()}
 
         # encodings made before the header, while a file's KVs are computed elsewhere: the
-        # first tensors, in order, until the KVs are there or AHEAD_OF_HEADER_BYTES are held
+        # first tensors, in order, until the KVs are there or AHEAD_OF_HEADER_BYTES are held;
+        # a matrix in pieces of rows (AHEAD_PIECE_ELEMENTS), so that the KVs' arrival is seen
+        # within a piece: the rest of that tensor is then quantized on every lane at once
         ahead_of_header: dict[tuple[int, int], np.ndarray] = {}
         pending = [kvs for _, kvs, *_ in files if isinstance(kvs, PendingKVs)]
         for p in pending:
             closing.callback(p.close)       # (on an error before its KVs were taken)
         held = 0
+        rest = None                         # (index, source, first row not yet quantized)
+        pieces: dict[tuple[int, int], list[np.ndarray]] = {}
+
+        def enough() -> bool:
+            return held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending)
+
+        def ahead(index: int, x: torch.Tensor) -> bool:
+            # quantize rows of x (a tensor's source, or its rows from some row on) into
+            # ``pieces``; False (its pieces dropped) where it raised: the writing below meets
+            # the error again and reports it
+            nonlocal held
+            try:
+                done = encodings([(index, x)])
+            except Exception:   # noqa: BLE001
+                for f in range(len(writers)):
+                    pieces.pop((index, f), None)
+                return False
+            for k, raw in done.items():
+                pieces.setdefault(k, []).append(raw)
+            held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
+            return True
+
         with intra_op_threads(max(1, torch.get_num_threads() - 1) if pending else None):
             # (the computation of the KVs keeps a core)
             for index, st in enumerate(tensors):
-                if not pending or held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending):
+                if not pending or enough():
                     break
                 try:
-                    done = encodings([(index, _to_encode(st, st.load(), device))])
+                    x = _to_encode(st, st.load(), device)
                 except Exception:   # noqa: BLE001 -- the writing below meets it again and reports it
                     break
-                ahead_of_header.update(done)
-                held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
-                del done
+                step = max(1, AHEAD_PIECE_ELEMENTS // x.shape[-1]) if x.dim() == 2 else x.shape[0]
+                for r0 in range(0, x.shape[0], step):
+                    if r0 and enough():
+                        rest = (index, x, r0)
+                        break
+                    if not ahead(index, x[r0:r0 + step]):
+                        break
+                else:
+                    continue
+                break
+        if rest is not None:
+            # on every lane (the KVs are there, or the budget is held and the header waits for them)
+            ahead(rest[0], rest[1][rest[2]:])
+        rest = x = None
+        for k, parts in pieces.items():
+            ahead_of_header[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pieces.clear()
         for (w, *_), (_, kvs, *_) in zip(writers, files):
             for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
                 w.add_key_value(key, value, vtype, sub_type=sub)

@@ -255,8 +255,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     ``files``: ``(path, kvs, types)`` or ``(path, kvs, types, imatrix)`` per output file;
     ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order, or
     a :class:`PendingKVs` still being computed: then the first tensors are read and quantized
-    (in memory, up to :data:`AHEAD_OF_HEADER_BYTES` of output) until it is there, and only
-    then is the header written;
+    on one lane less (in memory, up to :data:`AHEAD_OF_HEADER_BYTES` of output; a matrix in
+    pieces of :data:`AHEAD_PIECE_ELEMENTS`) until it is there, the rest of a matrix begun then
+    on every lane, and only then is the header written;
     ``types[name]`` the ggml type name of every tensor in that file; ``imatrix[name]`` the
     importance weights of a tensor quantized with them (:func:`encode`). ``tensors`` in output order, the same order in every
     file; each ``load()`` returns a float tensor (any float dtype, CPU) of ``shape``.

@@ -43,8 +43,9 @@ one thread, the glibc heap bounded as the targets bound it (best of five); then 
 unpacking on uint8 against through int32, the round trip's bit comparison of one piece
 (``convert.gguf_roundtrip.CHECK_PIECE_ELEMENTS`` values) by ``np.array_equal`` and
 ``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
-trip's reference) of about 4M values with rows as they are and merged into rows of
-``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``.
+trip's reference) of about 4M values: ``gguf.quants.dequantize`` of the whole chunk (rows
+merged into rows of 16,384 values) against each type's ``dequantize_blocks`` on the check's
+pieces (``convert.gguf_roundtrip.gguf_py_decoder``).
 
 With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with an imatrix:
 nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` /
@@ -62,9 +63,8 @@ numpy's axis-0 reduce against a loop of torch adds on the K-quant searches' shap
 (one thread, alternating, four runs each; the same bytes).
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
-of MODEL's Q4_K_M (default SmolLM2) on one thread, gguf-py given rows merged to
-``GGUF_PY_ROW_ELEMENTS`` values against the rows as they are, and our side in pieces of
-``CHECK_PIECE_ELEMENTS`` against whole chunks, two runs each.
+of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
+against whole chunks, two runs each.
 
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
@@ -437,8 +437,8 @@ def ggml_cuda_chunks() -> None:
 
 def dequantizers() -> None:
     """``quantize.ggml.dequantize`` of 1,024 x 4,096 values per type, one thread: best of five;
-    then gguf-py's dequantization of about 4M values with rows as they are and merged
-    (``convert.gguf_roundtrip.GGUF_PY_ROW_ELEMENTS``)."""
+    then gguf-py's dequantization of about 4M values, over the whole chunk and per piece
+    (``convert.gguf_roundtrip.gguf_py_decoder``)."""
     from quantpress.quantize import ggml
     from quantpress.runtime import bound_heap
 
@@ -469,21 +469,27 @@ def dequantizers() -> None:
     print(f"bit comparison of {a.numel()} values: torch.equal {best_ms(lambda: torch.equal(a, b), n=50) * 1e3:6.1f} us, "
           f"np.array_equal {best_ms(lambda: np.array_equal(an, bn), n=50) * 1e3:6.1f} us, "
           f"(a != b).sum() {best_ms(lambda: int((a != b).sum()), n=50) * 1e3:6.1f} us")
-    # gguf-py's dequantization (the round trip's reference) of 4M values with rows as they
-    # are and with consecutive rows merged into rows of GGUF_PY_ROW_ELEMENTS elements
+    # gguf-py's dequantization (the round trip's reference) of 4M values: gguf.quants.dequantize
+    # of the whole chunk (rows merged to 16,384 values, as the check gave it before), against
+    # the type's dequantize_blocks on each of the check's pieces (gguf_roundtrip.gguf_py_decoder)
     from gguf import GGMLQuantizationType
     from gguf import quants as gguf_quants
 
-    from quantpress.convert.gguf_roundtrip import GGUF_PY_ROW_ELEMENTS
+    from quantpress.convert.gguf_roundtrip import gguf_py_decoder
     for name, width in [("Q5_0", 576), ("Q8_0", 576), ("Q4_K", 1536), ("Q6_K", 1536)]:
         n = (1 << 22) // width
         rows = ggml.quantize(x.reshape(-1)[:n * width].reshape(n, width), name).numpy()
-        m = max(1, GGUF_PY_ROW_ELEMENTS // width)
+        m = max(1, (1 << 14) // width)
         merged = rows[:rows.shape[0] // m * m].reshape(-1, m * rows.shape[1])
         qt = GGMLQuantizationType[name]
-        print(f"gguf-py dequantize {name:4s} of {rows.shape[0]} x {width}: rows as they are "
-              f"{best_ms(lambda: gguf_quants.dequantize(rows, qt)):6.2f} ms, merged by {m} "
-              f"{best_ms(lambda: gguf_quants.dequantize(merged, qt)) * rows.shape[0] / (merged.shape[0] * m):6.2f} ms")
+        decode, per = gguf_py_decoder(name), max(1, CHECK_PIECE_ELEMENTS // width)
+
+        def by_piece():
+            for r in range(0, rows.shape[0], per):
+                decode(rows[r:r + per])
+        print(f"gguf-py dequantize {name:4s} of {rows.shape[0]} x {width}: gguf.quants.dequantize, rows merged by {m}, "
+              f"{best_ms(lambda: gguf_quants.dequantize(merged, qt)) * rows.shape[0] / (merged.shape[0] * m):6.2f} ms; "
+              f"dequantize_blocks per piece of {per} rows {best_ms(by_piece):6.2f} ms")
 
 
 def weighted_codecs() -> None:
@@ -604,20 +610,18 @@ def seq_sums() -> None:
 
 def round_trip(model: Path) -> None:
     """``verify_gguf`` of ``model``'s Q4_K_M (made by ``convert hf-to-gguf``) on one thread:
-    as it is (gguf-py given rows merged to ``GGUF_PY_ROW_ELEMENTS`` values, our side in
-    pieces of ``CHECK_PIECE_ELEMENTS``), with gguf-py given the rows as they are, and with our
-    side on whole chunks; two runs each, alternating (the sources read once before, so all
-    find them in the page cache)."""
+    as it is (gguf-py's values and ours in pieces of ``CHECK_PIECE_ELEMENTS``) and with
+    pieces of whole chunks (``VERIFY_CHUNK_ELEMENTS``); two runs each, alternating (the
+    sources read once before, so all find them in the page cache)."""
     from quantpress.convert import gguf_roundtrip
     from quantpress.runtime import bound_heap
     from quantpress.targets.gguf import plan_from_hf
 
     bound_heap()
     torch.set_num_threads(1)
-    merged, piece = gguf_roundtrip.GGUF_PY_ROW_ELEMENTS, gguf_roundtrip.CHECK_PIECE_ELEMENTS
-    ways = {f"as it is (rows merged to {merged} values, pieces of {piece})": (merged, piece),
-            "gguf-py given rows as they are": (0, piece),
-            "our side on whole chunks": (merged, gguf_roundtrip.VERIFY_CHUNK_ELEMENTS)}
+    piece = gguf_roundtrip.CHECK_PIECE_ELEMENTS
+    ways = {f"as it is (pieces of {piece})": piece,
+            "pieces of whole chunks": gguf_roundtrip.VERIFY_CHUNK_ELEMENTS}
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "q4_k_m.gguf"
         subprocess.run([str(Path(sys.executable).parent / "convert"), "hf-to-gguf", str(model),
@@ -628,14 +632,13 @@ def round_trip(model: Path) -> None:
             st.load()
         times: dict[str, list[float]] = {w: [] for w in ways}
         for _ in range(2):
-            for way, (rows, pieces) in ways.items():
-                gguf_roundtrip.GGUF_PY_ROW_ELEMENTS = rows
+            for way, pieces in ways.items():
                 gguf_roundtrip.CHECK_PIECE_ELEMENTS = pieces
                 t0 = time.perf_counter()
                 rep = gguf_roundtrip.verify_gguf(out, plan.tensors, plan.types, torch.device("cpu"))
                 times[way].append(time.perf_counter() - t0)
                 assert rep.ok, rep.mismatches[:3]
-        gguf_roundtrip.GGUF_PY_ROW_ELEMENTS, gguf_roundtrip.CHECK_PIECE_ELEMENTS = merged, piece
+        gguf_roundtrip.CHECK_PIECE_ELEMENTS = piece
     print(f"verify_gguf of {model.name}'s Q4_K_M, one thread:")
     for way, ts in times.items():
         print(f"  {way:<60s} {min(ts):.2f}-{max(ts):.2f} s")

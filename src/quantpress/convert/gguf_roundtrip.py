@@ -133,38 +133,45 @@ def reader_raw(rt) -> np.ndarray:
 # the error) to a few times this many elements, whatever the tensor size
 VERIFY_CHUNK_ELEMENTS = 1 << 22
 
-# gguf-py's dequantize works through its input 16 rows at a time, a few numpy ops per group,
-# so narrow rows cost it more Python than arithmetic. Blocks are independent and a row is a
-# run of blocks, so the checks hand it consecutive rows merged into rows of about this many
-# elements (the same bytes, in the same order): 4M values of 576-wide Q5_0 in 13.8 ms
-# against 23.9 ms, Q8_0 4.5 against 9.0, 1536-wide Q4_K 10.4 against 17.2, Q6_K 11.7 against
-# 15.7 (one thread, scripts/micro_figures.py --dequantize); verify_gguf of SmolLM2's Q4_K_M
-# 1.78-1.85 s against 2.00-2.05 s, of the 554M model's 4.28-4.49 s against 4.95-5.01 s (one
-# thread, two runs each, scripts/micro_figures.py --round-trip [MODEL])
-GGUF_PY_ROW_ELEMENTS = 1 << 14
+
+def gguf_py_decoder(tname: str) -> Callable[[np.ndarray], np.ndarray]:
+    """gguf-py's dequantizer of ggml type ``tname`` for whole rows: uint8 ndarray [rows,
+    row_bytes] -> float32 ndarray [rows · values per row], flat (a view of the input for F32).
+    The class ``gguf.quants.<tname>``'s own ``dequantize_blocks`` on all of the rows' blocks
+    at once where gguf-py has one (every quantized type and BF16; its grid set up first, as
+    ``gguf.quants.dequantize`` does), else ``gguf.quants.dequantize`` (F32, F16).
+    ``gguf.quants.dequantize`` runs the same ``dequantize_blocks`` over groups of 16 rows and
+    copies the groups' results into one array: on the check's pieces of
+    :data:`CHECK_PIECE_ELEMENTS` values, taking the blocks at once skips that copy and keeps
+    the piece in the cache for the comparison that follows (``scripts/micro_figures.py
+    --dequantize``, ``--round-trip``)."""
+    cls = getattr(gguf_quants, tname, None)
+    if cls is None or not hasattr(cls, "dequantize_blocks"):
+        qtype = GGMLQuantizationType[tname]
+        return lambda rows: np.asarray(gguf_quants.dequantize(rows, qtype), dtype=np.float32).reshape(-1)
+    cls.init_grid()
+    return lambda rows: cls.dequantize_blocks(rows.reshape(-1, cls.type_size)).reshape(-1)
 
 
-# rows of a chunk that our side of the check (our dequantization, the bit comparison with
-# gguf-py's values, the error against the source) takes at a time on the CPU: about this
-# many elements, so that the pieces' float32 copies stay in the cache and no codec slices
-# are concatenated. verify_gguf of the 554M random llama's Q4_K_M on one thread: 3.95-4.07 s
-# against 4.34-5.32 s with whole chunks; SmolLM2's the same, 1.76-1.81 against 1.75-1.79 s
-# (scripts/micro_figures.py --round-trip [MODEL], two runs each, twice)
+# rows of a chunk that the check (gguf-py's dequantization and ours, the bit comparison, the
+# error against the source) takes at a time on the CPU: about this many elements, so that
+# the pieces' float32 copies stay in the cache and no codec slices are concatenated.
+# verify_gguf of the 554M random llama's Q4_K_M on one thread: 3.95-4.07 s against
+# 4.34-5.32 s with whole chunks, SmolLM2's the same, 1.76-1.81 against 1.75-1.79 s, when
+# only our side went in pieces; with gguf-py's values per piece too (gguf_py_decoder),
+# 3.57-4.20 s against 4.41-4.68 s (scripts/micro_figures.py --round-trip [MODEL], two runs
+# each)
 CHECK_PIECE_ELEMENTS = 1 << 18
 
 
-def chunk_rows(rows: int, cols: int) -> Iterator[tuple[int, int, int]]:
-    """The row ranges a tensor of ``rows`` x ``cols`` elements is checked in: ``(r0, r1,
-    merge)`` with about :data:`VERIFY_CHUNK_ELEMENTS` elements each and ``merge`` rows of the
-    range (which it divides) given to gguf-py as one (:data:`GGUF_PY_ROW_ELEMENTS`); the
-    last rows that do not fill a merged row form a range of their own, merge 1."""
-    merge = max(1, GGUF_PY_ROW_ELEMENTS // max(1, cols))
-    step = max(merge, VERIFY_CHUNK_ELEMENTS // max(1, cols) // merge * merge)
-    whole = rows // merge * merge
-    for r0 in range(0, whole, step):
-        yield r0, min(whole, r0 + step), merge
-    if whole < rows:
-        yield whole, rows, 1
+def chunk_rows(rows: int, cols: int) -> Iterator[tuple[int, int]]:
+    """The row ranges ``(r0, r1)`` a tensor of ``rows`` x ``cols`` elements is checked in:
+    consecutive, from 0 to ``rows``, about :data:`VERIFY_CHUNK_ELEMENTS` elements each (at
+    least one row)."""
+    step = max(1, VERIFY_CHUNK_ELEMENTS // max(1, cols))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
 
 #: Lowest signal-to-noise ratio (dB) of a tensor's decoded data against its source that the
 #: round trip accepts. Both dequantizers agree on whatever bytes are in the file, so data
@@ -216,21 +223,19 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
     raw = reader_raw(rt)
     src = (st.load() if source is None else source).reshape(raw.shape[0], -1)
     cols = src.shape[1]
-    # our side in pieces of rows on the CPU (the whole chunk elsewhere): see CHECK_PIECE_ELEMENTS
+    theirs = gguf_py_decoder(tname)
+    # in pieces of rows on the CPU (the whole chunk elsewhere): see CHECK_PIECE_ELEMENTS
     piece = max(1, CHECK_PIECE_ELEMENTS // cols) if device.type == "cpu" else raw.shape[0]
     neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
-    for r0, r1, merge in chunk_rows(raw.shape[0], cols):
-        chunk = raw[r0:r1]
-        merged = chunk.reshape((r1 - r0) // merge, merge * chunk.shape[1])
-        ref = np.ascontiguousarray(gguf_quants.dequantize(merged, GGMLQuantizationType[tname]),
-                                   dtype=np.float32).reshape(-1)
-        ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy()).to(device)  # (F32: a view of the map)
-        # our dequantization and the comparisons run on ``device``, one sync per chunk
+    for r0, r1 in chunk_rows(raw.shape[0], cols):
+        # gguf-py's values, then ours and the comparisons on ``device``, one sync per chunk
         figures = []
         for p0 in range(r0, r1, piece):
             p1 = min(r1, p0 + piece)
+            ref = theirs(raw[p0:p1])
+            ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy()).to(device)  # (F32: a view of the map)
             ours = ggml.dequantize(torch.from_numpy(raw[p0:p1].copy()).to(device), tname).reshape(-1)
-            ref_bits = ref_t[(p0 - r0) * cols:(p1 - r0) * cols].view(torch.int32)
+            ref_bits = ref_t.view(torch.int32)
             our_bits = ours.view(torch.int32)
             diff = ours.new_zeros(()) if _same_bits(ref_bits, our_bits) else (ref_bits != our_bits).sum()
             x = src[p0:p1].to(device=device, dtype=torch.float32).reshape(-1)

@@ -126,8 +126,8 @@ AHEAD_OF_HEADER_BYTES = 256 << 20
 
 #: elements of a matrix quantized ahead of the header at a time (whole rows): the writer
 #: looks for the pending KVs between pieces, and once they are there quantizes the rest of the
-#: tensor on every lane. Whole tensors left a core idle: the 554M random llama's 75M-value
-#: output head and token embedding took ~8 s on one lane while the KVs came after ~3.5 s
+#: tensor on every lane (looking only between tensors, a large tensor begun just before the
+#: KVs came went on one lane to its end while the other core idled)
 AHEAD_PIECE_ELEMENTS = 1 << 22
 
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
@@ -340,27 +340,33 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         for p in pending:
             closing.callback(p.close)       # (on an error before its KVs were taken)
         held = 0
-        rest = None                         # (index, source, first row not yet quantized)
+        rest = None                         # (index, the source's rows not yet quantized)
         pieces: dict[tuple[int, int], list[np.ndarray]] = {}
 
         def enough() -> bool:
             return held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending)
 
-        def ahead(index: int, x: torch.Tensor) -> bool:
-            # quantize rows of x (a tensor's source, or its rows from some row on) into
-            # ``pieces``; False (its pieces dropped) where it raised: the writing below meets
-            # the error again and reports it
+        def ahead(index: int, x: torch.Tensor, whole: bool = False) -> int | None:
+            # quantize x (a tensor's source, or its rows from some row on) into ``pieces``: a
+            # matrix in pieces of rows until enough() says stop (``whole``: in one piece); the
+            # first row not quantized (x.shape[0]: all), or None (that tensor's pieces
+            # dropped) where it raised: the writing below meets the error again and reports it
             nonlocal held
-            try:
-                done = encodings([(index, x)])
-            except Exception:   # noqa: BLE001
-                for f in range(len(writers)):
-                    pieces.pop((index, f), None)
-                return False
-            for k, raw in done.items():
-                pieces.setdefault(k, []).append(raw)
-            held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
-            return True
+            in_pieces = x.dim() == 2 and not whole
+            step = max(1, AHEAD_PIECE_ELEMENTS // x.shape[-1]) if in_pieces else x.shape[0]
+            for r0 in range(0, x.shape[0], step):
+                if r0 and enough():
+                    return r0
+                try:
+                    done = encodings([(index, x[r0:r0 + step])])
+                except Exception:   # noqa: BLE001
+                    for f in range(len(writers)):
+                        pieces.pop((index, f), None)
+                    return None
+                for k, raw in done.items():
+                    pieces.setdefault(k, []).append(raw)
+                held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
+            return x.shape[0]
 
         with intra_op_threads(max(1, torch.get_num_threads() - 1) if pending else None):
             # (the computation of the KVs keeps a core)
@@ -371,19 +377,16 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                     x = _to_encode(st, st.load(), device)
                 except Exception:   # noqa: BLE001 -- the writing below meets it again and reports it
                     break
-                step = max(1, AHEAD_PIECE_ELEMENTS // x.shape[-1]) if x.dim() == 2 else x.shape[0]
-                for r0 in range(0, x.shape[0], step):
-                    if r0 and enough():
-                        rest = (index, x, r0)
-                        break
-                    if not ahead(index, x[r0:r0 + step]):
-                        break
-                else:
-                    continue
-                break
+                r0 = ahead(index, x)
+                if r0 is None:
+                    break
+                if r0 < x.shape[0]:
+                    rest = (index, x[r0:])
+                    break
         if rest is not None:
-            # on every lane (the KVs are there, or the budget is held and the header waits for them)
-            ahead(rest[0], rest[1][rest[2]:])
+            # in one piece, on every lane (the KVs are there, or the budget is held and the
+            # header waits for them)
+            ahead(*rest, whole=True)
         rest = x = None
         for k, parts in pieces.items():
             ahead_of_header[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -27,6 +27,27 @@ def _out_args(p: argparse.ArgumentParser, required: bool = True, help: str = "ou
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
+def _hf_verb(sub, name: str, help: str, out_required: bool = True,
+             out_help: str = "output directory") -> argparse.ArgumentParser:
+    """A verb that reads a Hugging Face model directory and writes a directory: its parser with
+    the ``model`` argument and the output options."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
+    _out_args(p, required=out_required, help=out_help)
+    return p
+
+
+def _rtn_arg(p: argparse.ArgumentParser, kept: str) -> None:
+    """``--rtn``: the verb's quantizer without calibration (``kept``: what stays the same)."""
+    p.add_argument("--rtn", action="store_true",
+                   help=f"plain round-to-nearest (no calibration), same {kept} and packing: the baseline")
+
+
+def _shard_arg(p: argparse.ArgumentParser) -> None:
+    """``--max-shard-size`` of the safetensors writers (AWQ, GPTQ, FP8)."""
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+
+
 def add_verbs(sub) -> None:
     """Add the ``quantize`` verbs to an argparse subparsers object."""
     from quantpress.calibration.exl2_alloc import DEFAULT_OBJECTIVE, OBJECTIVE_MODES
@@ -46,10 +67,8 @@ def add_verbs(sub) -> None:
     _out_args(m, help="output imatrix .gguf path")
     common.verb_options(m, _imatrix, calib=True)
 
-    a = sub.add_parser("awq", help="AWQ (activation-aware) 4-bit quantization to an AutoAWQ "
-                                   "GEMM directory (vLLM, transformers)")
-    a.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
-    _out_args(a, help="output directory")
+    a = _hf_verb(sub, "awq", "AWQ (activation-aware) 4-bit quantization to an AutoAWQ GEMM "
+                             "directory (vLLM, transformers)")
     a.add_argument("--bits", type=int, default=4, help="weight bits (4: the GEMM layout)")
     a.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale and zero point (default 128; 64 for widths like 576)")
@@ -58,15 +77,12 @@ def add_verbs(sub) -> None:
                    help="s = x^r / w^(1-r) (default, AutoAWQ)")
     a.add_argument("--no-duo-scaling", dest="duo_scaling", action="store_false",
                    help="s = x^r (the original llm-awq grid)")
-    a.add_argument("--rtn", action="store_true",
-                   help="plain round-to-nearest (no calibration), same quantizer and packing: the baseline")
-    a.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    _rtn_arg(a, "quantizer")
+    _shard_arg(a)
     common.verb_options(a, _awq, calib=True)
 
-    q = sub.add_parser("gptq", help="GPTQ (Hessian-based, layer by layer) to a GPTQ checkpoint "
-                                    "directory (vLLM gptq/Marlin, transformers with gptqmodel)")
-    q.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
-    _out_args(q, help="output directory")
+    q = _hf_verb(sub, "gptq", "GPTQ (Hessian-based, layer by layer) to a GPTQ checkpoint "
+                              "directory (vLLM gptq/Marlin, transformers with gptqmodel)")
     q.add_argument("--bits", type=int, default=4, help="weight bits: 4 (default) or 8")
     q.add_argument("--group-size", type=int, default=128,
                    help="input rows per scale and zero point: 128 (default), 32, 64, or -1 (one per column)")
@@ -77,15 +93,12 @@ def add_verbs(sub) -> None:
                    help="quantize inputs by descending Hessian diagonal (desc_act: true, with g_idx)")
     q.add_argument("--damp", type=float, default=0.01,
                    help="damping: fraction of the mean Hessian diagonal added to it (default 0.01)")
-    q.add_argument("--rtn", action="store_true",
-                   help="plain round-to-nearest (no calibration), same groups and packing: the baseline")
-    q.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    _rtn_arg(q, "groups")
+    _shard_arg(q)
     common.verb_options(q, _gptq, calib=True)
 
-    f = sub.add_parser("fp8", help="FP8 E4M3 weights (and activation scales) in the "
-                                   "compressed-tensors format (vLLM, transformers)")
-    f.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
-    _out_args(f, help="output directory")
+    f = _hf_verb(sub, "fp8", "FP8 E4M3 weights (and activation scales) in the "
+                             "compressed-tensors format (vLLM, transformers)")
     f.add_argument("--scheme", default="dynamic",
                    help="dynamic: per-channel weight scales, per-token activation scales at run "
                         "time (default; no calibration); static: per-tensor weight scales and "
@@ -94,13 +107,12 @@ def add_verbs(sub) -> None:
                    help="more linears to keep unquantized besides lm_head: module names or re:REGEX")
     f.add_argument("--lm-head", action="store_true",
                    help="quantize lm_head too (tied embeddings: a separate FP8 lm_head, the embedding kept)")
-    f.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    _shard_arg(f)
     common.verb_options(f, _fp8, calib=True)
 
-    x = sub.add_parser("exl2", help="EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a target "
-                                    "bits per weight")
-    x.add_argument("model", help="Hugging Face model directory (FP16/BF16/F32 safetensors)")
-    _out_args(x, required=False, help="output directory (required unless --measure-only)")
+    x = _hf_verb(sub, "exl2", "EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a target "
+                              "bits per weight", out_required=False,
+                 out_help="output directory (required unless --measure-only)")
     x.add_argument("--bpw", type=float, help="target bits per weight of the decoder layers "
                                              "(exllamav2 -b; required unless --measure-only)")
     x.add_argument("--head-bits", type=int, default=6, help="lm_head bits: 2, 3, 4, 5, 6 or 8 (default 6)")

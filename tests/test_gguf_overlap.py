@@ -84,6 +84,40 @@ def test_kvs_arriving_within_a_tensor_end_its_pieces(tiny_llama_dir, tmp_path, s
     assert ours == _write(serial, tmp_path / "serial.gguf")
 
 
+def test_tensors_before_the_kvs_are_written_before_the_rest(tiny_llama_dir, tmp_path, single_thread, monkeypatch):
+    # the KVs come within the third tensor (token_embd, after two of its pieces): the two
+    # tensors quantized whole ahead of the header are written (and would be handed to the
+    # round trip) before the rest of the third is quantized, not after it
+    serial = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M")
+    names = [t.name for t in serial.tensors]
+    assert names[:3] == ["output.weight", "output_norm.weight", "token_embd.weight"]
+    rows, width = serial.tensors[2].shape
+    step = 4
+    monkeypatch.setattr(gguf_file, "AHEAD_PIECE_ELEMENTS", step * width)
+    out_pieces = math.ceil(serial.tensors[0].shape[0] / step)
+    events = []
+    real_encode, real_write = gguf_file.encode_many, gguf_file.GGUFWriter.write_tensor_data
+
+    def encode(items, device):
+        events.extend(("encode", tuple(x.shape)) for x, _, _ in items)
+        return real_encode(items, device)
+
+    def write(self, tensor, *a, **k):
+        events.append(("write", tensor.nbytes))
+        return real_write(self, tensor, *a, **k)
+    monkeypatch.setattr(gguf_file, "encode_many", encode)
+    monkeypatch.setattr(gguf_file.GGUFWriter, "write_tensor_data", write)
+    ahead = out_pieces + 1 + 2        # output.weight's pieces, output_norm, two of token_embd's
+    monkeypatch.setattr(PendingKVs, "ready", lambda self: len(events) >= ahead)
+    plan = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M", overlap=True)
+    ours = _write(plan, tmp_path / "overlap.gguf")
+    assert [e for e, _ in events[:ahead]] == ["encode"] * ahead
+    assert events[ahead + 2] == ("encode", (rows - 2 * step, width))
+    assert [e for e, _ in events[ahead:ahead + 2]] == ["write", "write"]
+    assert events[ahead + 3][0] == "write"         # token_embd, its pieces joined
+    assert ours == _write(serial, tmp_path / "serial.gguf")
+
+
 def test_plan_changed_by_transformers_is_made_again(smollm2_dir, tmp_path, single_thread, monkeypatch):
     # a llama config.json without num_key_value_heads: transformers' LlamaConfig fills it in
     # (= num_attention_heads), config.json as it is has none, so the tensor sides differ

@@ -256,8 +256,10 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order, or
     a :class:`PendingKVs` still being computed: then the first tensors are read and quantized
     on one lane less (in memory, up to :data:`AHEAD_OF_HEADER_BYTES` of output; a matrix in
-    pieces of :data:`AHEAD_PIECE_ELEMENTS`) until it is there, the rest of a matrix begun then
-    on every lane, and only then is the header written;
+    pieces of :data:`AHEAD_PIECE_ELEMENTS`) until it is there; then the header is written, the
+    tensors quantized whole are written (and handed to the round trip), and the rest of a
+    matrix begun then is quantized on every lane (where the budget ended it, before the
+    header, while the header waits for the KVs);
     ``types[name]`` the ggml type name of every tensor in that file; ``imatrix[name]`` the
     importance weights of a tensor quantized with them (:func:`encode`). ``tensors`` in output order, the same order in every
     file; each ``load()`` returns a float tensor (any float dtype, CPU) of ``shape``.
@@ -340,7 +342,7 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
         for p in pending:
             closing.callback(p.close)       # (on an error before its KVs were taken)
         held = 0
-        rest = None                         # (index, the source's rows not yet quantized)
+        rest = None                         # (index, first row not yet quantized) of a matrix begun
         pieces: dict[tuple[int, int], list[np.ndarray]] = {}
 
         def enough() -> bool:
@@ -381,16 +383,24 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                 if r0 is None:
                     break
                 if r0 < x.shape[0]:
-                    rest = (index, x[r0:])
+                    rest = (index, r0)
                     break
-        if rest is not None:
-            # in one piece, on every lane (the KVs are there, or the budget is held and the
-            # header waits for them)
-            ahead(*rest, whole=True)
-        rest = x = None
-        for k, parts in pieces.items():
-            ahead_of_header[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        pieces.clear()
+        if rest is not None and not all(p.ready() for p in pending):
+            # the budget is held and the header waits for the KVs: the rest meanwhile, in one
+            # piece on every lane
+            ahead(rest[0], x[rest[1]:], whole=True)
+            rest = None
+        x = None
+
+        def complete(index: int) -> None:
+            # a tensor's pieces, all quantized, joined into its encodings
+            for f in range(len(writers)):
+                parts = pieces.pop((index, f), None)
+                if parts:
+                    ahead_of_header[index, f] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+        for index in sorted({k[0] for k in pieces} - ({rest[0]} if rest else set())):
+            complete(index)
         for (w, *_), (_, kvs, *_) in zip(writers, files):
             for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
                 w.add_key_value(key, value, vtype, sub_type=sub)
@@ -443,14 +453,28 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
 
         size, limit = 0, _window_elements(device)
-        ahead = None
+        reader = None
         if limit and READ_AHEAD:
             # (only now: watch_round_trip may fork checker processes, which no thread of this
             # process should be running beside)
-            ahead = _ReadAhead(tensors, limit)
-            closing.callback(ahead.close)
+            reader = _ReadAhead(tensors, limit)
+            closing.callback(reader.close)
         for index, st in enumerate(progress(tensors)):
-            t = st.load() if ahead is None else ahead.take()
+            t = st.load() if reader is None else reader.take()
+            if rest is not None and index == rest[0]:
+                # the KVs came within this matrix: the tensors before it, quantized ahead of
+                # the header, are written and handed to the round trip first (so that their
+                # checks run meanwhile, not all at once after it), then the rest of its rows
+                # is quantized at once on every lane (rows checked for NaN/Inf with the whole
+                # source, before the header)
+                if window:
+                    flush()
+                    size = 0
+                rows = t[rest[1]:]
+                if ahead(index, rows if device.type == "cpu" else rows.to(device), whole=True) is not None:
+                    complete(index)
+                rows = None
+                rest = None
             # (a tensor quantized ahead of the header was checked then: it is read again only
             # for the round trip)
             x = None if (index, 0) in ahead_of_header else _to_encode(st, t, device)

@@ -49,6 +49,11 @@ checkers' staging areas, waits for room) and the wait for the last checks at the
 process (``targets.gguf.OVERLAP_METADATA = False``), against the default: computed in a
 forked process while the first tensors are quantized.
 
+`--repeat N` (end to end) runs the whole sequence N times, each in a fresh directory, the
+tools alternating, and reports each step's shortest wall time (with its largest peaks; the
+total of llama.cpp's two steps from the quicker run) and each run's ratio: on a shared, noisy
+host one pair of runs swings by a tenth either way.
+
 `--llama-quantize PATH` uses that build of the tool (a machine without quantpress's cache);
 `--tokenizer DIR` gives the synthetic model its tokenizer (default: SmolLM2's, from the cache).
 """
@@ -155,6 +160,9 @@ def main() -> int:
                     help="--quantize-only: also time quantize+write under the read-ahead and window settings")
     ap.add_argument("--stages", action="store_true",
                     help="--quantize-only: also time the parts of quantize+write, with and without the round trip")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="end to end: run the sequence N times, the tools alternating, and report "
+                         "each step's best")
     ap.add_argument("--metadata-before", action="store_true",
                     help="also time hf-to-gguf with the metadata computed before the tensors, in its own process")
     args = ap.parse_args()
@@ -166,42 +174,62 @@ def main() -> int:
     src = llamacpp_tools.llamacpp_src()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     nthread = os.cpu_count() or 1
-    with tempfile.TemporaryDirectory() as d:
-        d = Path(d)
+    im = ["--imatrix", str(Path(args.imatrix).resolve())] if args.imatrix else []
+    quant_code = ("import ctypes,sys,llama_cpp as l;p=l.llama_model_quantize_default_params();"
+                  f"p.ftype=l.LLAMA_FTYPE_MOSTLY_{args.policy};p.nthread={nthread};"
+                  "sys.exit(l.llama_model_quantize(sys.argv[1].encode(),sys.argv[2].encode(),ctypes.byref(p)))")
+
+    def one_run(d: Path) -> dict:
+        # the sequence once, in a fresh directory: llama.cpp's two steps, then ours
         ref_f16, ref_q, ours, ours_q = d / "ref-f16.gguf", d / "ref-q.gguf", d / "ours.gguf", d / "ours-q.gguf"
-        conv = measure([PY, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
-                        "--outfile", str(ref_f16)], env)
-        quant_code = ("import ctypes,sys,llama_cpp as l;p=l.llama_model_quantize_default_params();"
-                      f"p.ftype=l.LLAMA_FTYPE_MOSTLY_{args.policy};p.nthread={nthread};"
-                      "sys.exit(l.llama_model_quantize(sys.argv[1].encode(),sys.argv[2].encode(),ctypes.byref(p)))")
-        im = ["--imatrix", str(Path(args.imatrix).resolve())] if args.imatrix else []
+        r = {"conv": measure([PY, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
+                              "--outfile", str(ref_f16)], env)}
         if im:
-            quant = measure([str(llamacpp_tools.tool("llama-quantize")), *im, str(ref_f16), str(ref_q),
-                             args.policy, str(nthread)])
+            r["quant"] = measure([str(llamacpp_tools.tool("llama-quantize")), *im, str(ref_f16), str(ref_q),
+                                  args.policy, str(nthread)])
         else:
-            quant = measure([PY, "-c", quant_code, str(ref_f16), str(ref_q)])
+            r["quant"] = measure([PY, "-c", quant_code, str(ref_f16), str(ref_q)])
         report = d / "report.json"
-        mine = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
-                        "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
-        stages = json.loads(report.read_text())["stages"]
-        before = None
+        r["mine"] = measure([PY, "-m", "quantpress", "convert", "hf-to-gguf", str(model), "--policy", args.policy,
+                             "-o", str(ours), "--device", args.device, "--quiet", "--report", str(report), *im])
+        r["stages"] = json.loads(report.read_text())["stages"]
         if args.metadata_before:
             argv = ["hf-to-gguf", str(model), "--policy", args.policy, "-o", str(d / "before.gguf"),
                     "--device", args.device, "--quiet", "--report", str(report), *im]
-            before = measure([PY, "-c", "import quantpress.targets.gguf as g; g.OVERLAP_METADATA = False; "
-                              "from quantpress.cli import common, convert_main; "
-                              f"common.exit_with(convert_main.main({argv!r}))"])
-            stages_before = json.loads(report.read_text())["stages"]
-        mine_q = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
-                          "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
-        stages_q = json.loads(report.read_text())["stages"]
+            r["before"] = measure([PY, "-c", "import quantpress.targets.gguf as g; g.OVERLAP_METADATA = False; "
+                                   "from quantpress.cli import common, convert_main; "
+                                   f"common.exit_with(convert_main.main({argv!r}))"])
+            r["stages_before"] = json.loads(report.read_text())["stages"]
+        r["mine_q"] = measure([PY, "-m", "quantpress", "quantize", "gguf", str(ref_f16), "--policy", args.policy,
+                               "-o", str(ours_q), "--device", args.device, "--quiet", "--report", str(report), *im])
+        r["stages_q"] = json.loads(report.read_text())["stages"]
         from refs import tensors_of
-        identical = tensors_of(ours) == tensors_of(ref_q) and tensors_of(ours_q) == tensors_of(ref_q)
-        size = ref_q.stat().st_size
-    ref_total = conv[0] + quant[0]
+        r["identical"] = tensors_of(ours) == tensors_of(ref_q) and tensors_of(ours_q) == tensors_of(ref_q)
+        r["size"] = ref_q.stat().st_size
+        return r
+
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        with tempfile.TemporaryDirectory() as d:
+            runs.append(one_run(Path(d)))
+
+    def best(key: str) -> tuple[float, float, float]:
+        # the shortest wall time of a step over the runs, with the largest peaks
+        return (min(r[key][0] for r in runs), max(r[key][1] for r in runs), max(r[key][2] for r in runs))
+
+    def stages_of(key: str, step: str) -> dict:
+        # the stages of the run whose step was quickest
+        return min(runs, key=lambda r: r[step][0])[key]
+
+    conv, quant, mine, mine_q = best("conv"), best("quant"), best("mine"), best("mine_q")
+    stages, stages_q = stages_of("stages", "mine"), stages_of("stages_q", "mine_q")
+    before = best("before") if args.metadata_before else None
+    identical = all(r["identical"] for r in runs)
+    size = runs[-1]["size"]
+    ref_total = min(r["conv"][0] + r["quant"][0] for r in runs)
     fig = {
         "model": str(model), "policy": args.policy, "device": args.device, "nthread_llamacpp": nthread,
-        "imatrix": args.imatrix,
+        "imatrix": args.imatrix, "runs": len(runs),
         "llamacpp_convert_s": conv[0], "llamacpp_quantize_s": quant[0], "llamacpp_total_s": ref_total,
         "llamacpp_peak_rss_mib": max(conv[1], quant[1]), "llamacpp_convert_rss_mib": conv[1],
         "llamacpp_quantize_rss_mib": quant[1], "llamacpp_peak_pss_mib": max(conv[2], quant[2]),
@@ -209,15 +237,18 @@ def main() -> int:
         "ours_stages_s": stages, "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
         "ratio_total_ours_over_llamacpp": mine[0] / ref_total,
         "ratio_requantize_ours_over_llamacpp": mine_q[0] / quant[0],
+        "ratio_total_per_run": [r["mine"][0] / (r["conv"][0] + r["quant"][0]) for r in runs],
         "identical_tensors": identical, "output_bytes": size,
     }
-    print(f"model {model} ({args.policy}, ours on {args.device}, llama.cpp nthread={nthread})")
+    of = f", best of {len(runs)} runs" if len(runs) > 1 else ""
+    print(f"model {model} ({args.policy}, ours on {args.device}, llama.cpp nthread={nthread}{of})")
     print(f"  llama.cpp  convert f16 {conv[0]:7.1f} s  {conv[1]:7.0f} MiB RSS {conv[2]:7.0f} MiB PSS | quantize "
           f"{quant[0]:7.1f} s {quant[1]:7.0f} MiB RSS {quant[2]:7.0f} MiB PSS | total {ref_total:7.1f} s")
     print(f"  quantpress hf-to-gguf  {mine[0]:7.1f} s  {mine[1]:7.0f} MiB RSS {mine[2]:7.0f} MiB PSS (process "
           f"tree); stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     if before is not None:
+        stages_before = stages_of("stages_before", "before")
         fig.update(ours_metadata_before_s=before[0], ours_metadata_before_pss_mib=before[2],
                    ours_metadata_before_stages_s=stages_before)
         print(f"  quantpress hf-to-gguf, metadata before the tensors {before[0]:7.1f} s  {before[2]:7.0f} MiB "
@@ -225,6 +256,9 @@ def main() -> int:
               + f"; beside/before {mine[0] / before[0]:.2f}x")
     print(f"  quantpress quantize gguf (llama.cpp's F16 file) {mine_q[0]:7.1f} s  {mine_q[1]:7.0f} MiB; stages "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages_q.items()))
+    if len(runs) > 1:
+        print("  each run, ours/llama.cpp end to end: "
+              + ", ".join(f"{v:.2f}x" for v in fig["ratio_total_per_run"]))
     print(f"  ratio ours/llama.cpp end to end: {fig['ratio_total_ours_over_llamacpp']:.2f}x time; "
           f"requantizing the F16 file, quantize gguf/llama-quantize: "
           f"{fig['ratio_requantize_ours_over_llamacpp']:.2f}x; identical tensors: {identical}")

@@ -59,6 +59,7 @@ from quantpress.calibration.stats import StatsCollector
 from quantpress.quantize import exl2 as qexl2
 from quantpress.errors import InputError
 from quantpress.quantize.gptq import HessianFactor, gptq_quantize, gptq_quantize_many, hessian_factor
+from quantpress.quantize.ggml.common import all_finite
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -171,8 +172,8 @@ def fp16_weight(lin: nn.Linear, name: str) -> torch.Tensor:
     tensor if it holds values outside the float16 range or NaN/Inf."""
     w = lin.weight.detach()
     h = w.to(torch.float16)
-    if not bool(torch.isfinite(h).all()):
-        if bool(torch.isfinite(w).all()):
+    if not all_finite(h):
+        if all_finite(w):
             raise InputError(f"tensor '{name}.weight' has values outside the float16 range "
                              f"(max |w| = {float(w.abs().max()):.4g}); EXL2 weights are float16")
         raise InputError(f"tensor '{name}.weight' holds NaN or Inf")
@@ -590,7 +591,7 @@ class Quantizer:
         xtx = torch.zeros(k, k, dtype=torch.float32, device=model.device)
         for a in range(0, hidden.shape[0], batch_size):
             x = norm(hidden[a:a + batch_size].to(model.device, model.dtype)).float().reshape(-1, k)
-            if not bool(torch.isfinite(x).all()):
+            if not all_finite(x):
                 raise InputError("non-finite activations (NaN/Inf) at the input of lm_head")
             xtx.addmm_(x.T, x)
         H = xtx / float(hidden.shape[0])
@@ -602,7 +603,7 @@ class Quantizer:
 
 def _fp16_copy(t: torch.Tensor, name: str) -> torch.Tensor:
     h = t.detach().to(torch.float16)
-    if not bool(torch.isfinite(h).all()):
+    if not all_finite(h):
         raise InputError(f"tensor '{name}' has NaN/Inf or values outside the float16 range")
     return h.cpu()
 

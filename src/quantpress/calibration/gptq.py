@@ -27,6 +27,7 @@ from torch import nn
 from quantpress.calibration.awq import LinearResult, tensor_digest
 from quantpress.calibration.stats import StatsCollector
 from quantpress.errors import InputError
+from quantpress.quantize.ggml.common import all_finite
 from quantpress.quantize.gptq_linear import GPTQLinearResult, HessianFactor, factor_hessian, gptq_quantize_linear
 
 #: ``sink(layer index, float16 tensors kept as they are, {linear name: (result, float16 bias
@@ -65,8 +66,8 @@ class Timings:
 
 def _fp16(t: torch.Tensor, name: str) -> torch.Tensor:
     h = t.detach().to(torch.float16)
-    if not bool(torch.isfinite(h).all()):
-        if bool(torch.isfinite(t).all()):
+    if not all_finite(h):
+        if all_finite(t):
             raise InputError(f"tensor '{name}' has values outside the float16 range "
                              f"(max |w| = {float(t.abs().max()):.4g}); GPTQ checkpoints are float16")
         raise InputError(f"tensor '{name}' holds NaN or Inf")

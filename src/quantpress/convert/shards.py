@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from quantpress.errors import InputError
+from quantpress.quantize.ggml.common import all_finite
 
 #: safetensors dtype names of the torch dtypes we write
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -362,10 +363,10 @@ def checked_float16(t: torch.Tensor, name: str, first_row: int = 0) -> torch.Ten
     """``t`` cast to float16 (CPU). Raises InputError naming tensor ``name`` (and the row,
     counting from ``first_row``) when a value is NaN/Inf or outside the float16 range."""
     h = t.detach().to(device="cpu", dtype=torch.float16)
-    bad = ~torch.isfinite(h)
-    if bool(bad.any()):
+    if not all_finite(h):               # (a value beyond the float16 range is Inf here)
+        bad = ~torch.isfinite(h)
         row = first_row + int(bad.reshape(bad.shape[0], -1).any(1).nonzero()[0, 0]) if h.ndim else first_row
-        if bool(torch.isfinite(t).all()):
+        if all_finite(t):
             raise InputError(f"tensor '{name}' (row {row}) has values outside the float16 range "
                              f"(max |w| = {float(t.abs().max()):.4g}); the output is float16")
         raise InputError(f"tensor '{name}' (row {row}) holds NaN or Inf")

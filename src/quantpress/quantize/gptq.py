@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from quantpress.quantize.exl2 import Group, QParams, pack
-from quantpress.quantize.ggml.common import intra_op_threads, single_threaded_ops
+from quantpress.quantize.ggml.common import all_finite, intra_op_threads, single_threaded_ops
 
 #: Damping added to diag(H), as a fraction of its mean (exllamav2 ``percdamp``).
 PERCDAMP = 0.12
@@ -100,10 +100,10 @@ def hessian_inverse_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) ->
         # 93 ms on one thread, scripts/micro_figures.py), but switching changes the
         # measurements and allocations the README's EXL2 figures come from (kept for now)
         inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
-        if not bool(torch.isfinite(inv).all()):
+        if not all_finite(inv):
             continue
         upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-        if int(info) == 0 and bool(torch.isfinite(upper).all()):
+        if int(info) == 0 and all_finite(upper):
             return upper
     raise ValueError(f"Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite after "
                      f"{MAX_ATTEMPTS} damping attempts")
@@ -220,7 +220,7 @@ def hessian_factor(hessian: torch.Tensor | None, K: int, device: torch.device | 
             raise ValueError(f"gptq_quantize: Hessian shape {tuple(hessian.shape)}, expected "
                              f"({K}, {K}) for weight [*, {K}]")
         H = hessian.to(device=device, dtype=torch.float32)
-        if not bool(torch.isfinite(H).all()):
+        if not all_finite(H):
             raise ValueError("gptq_quantize: Hessian has NaN or Inf values")
     with single_threaded_ops() if H.device.type == "cpu" else contextlib.nullcontext():
         perm = act_order(H)
@@ -343,7 +343,7 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | Non
                                  f"{g.start}, not a multiple of {BLOCK}; the {BLOCK}-row GPTQ "
                                  f"blocks need every group boundary on a multiple of {BLOCK} rows")
     W0 = weight.to(torch.float32).T
-    if not bool(torch.isfinite(W0).all()):
+    if not all_finite(W0):
         raise ValueError("gptq_quantize: weight has NaN or Inf values")
     if isinstance(hessian, HessianFactor):
         fac = hessian

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantpress.quantize.ggml.common import single_threaded_ops
+from quantpress.quantize.ggml.common import all_finite, single_threaded_ops
 
 #: Rows per lazy-batch block (GPTQModel's ``blocksize``).
 BLOCK = 128
@@ -102,7 +102,7 @@ def hessian_inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> tuple[t
         if int(info) == 0:
             inv = torch.cholesky_inverse(chol)
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-            if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            if int(info) == 0 and all_finite(upper):
                 return upper, d
         d += DAMP_STEP
     raise ValueError(f"Hessian [{hessian.shape[0]}x{hessian.shape[0]}] is not positive definite "
@@ -150,7 +150,7 @@ def factor_hessian(hessian: torch.Tensor | None, in_features: int, *, act_order:
             raise ValueError(f"gptq_quantize_linear: Hessian shape {tuple(hessian.shape)}, "
                              f"expected ({K}, {K})")
         H = hessian.to(device=device or hessian.device, dtype=torch.float32).clone()
-        if not bool(torch.isfinite(H).all()):
+        if not all_finite(H):
             raise ValueError("gptq_quantize_linear: Hessian has NaN or Inf values")
     dead = torch.diagonal(H) == 0
     torch.diagonal(H)[dead] = 1.0
@@ -191,7 +191,7 @@ def gptq_quantize_linear(weight: torch.Tensor, hessian: torch.Tensor | None, *, 
     gs = K if group_size == -1 else int(group_size)
     if gs <= 0 or K % gs:
         raise ValueError(f"gptq_quantize_linear: group size {group_size} does not divide in_features {K}")
-    if not bool(torch.isfinite(weight).all()):
+    if not all_finite(weight):
         raise ValueError("gptq_quantize_linear: weight has NaN or Inf values")
     if factor is None:
         factor = factor_hessian(hessian, K, act_order=act_order, damp=damp, device=weight.device)

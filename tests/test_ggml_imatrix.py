@@ -144,6 +144,17 @@ def test_integer_rounding_path(name, monkeypatch):
     _check(x, name, _imatrix("lognormal", 256, seed=4))
 
 
+@pytest.mark.parametrize("im_kind", ["lognormal", "zeros", "huge"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q4_K", "Q5_K"])
+def test_make_qp_quants_torch_ops(name, im_kind, monkeypatch):
+    """make_qp_quants (the weighted scale and min search of Q2_K, Q4_K, Q5_K) with torch's
+    operations, which other devices run, gives llama.cpp's bytes as the NumPy ones the CPU
+    runs do (the other tests)."""
+    monkeypatch.setattr(kquants, "QP_NUMPY_ON_CPU", False)
+    x = np.concatenate([edge_rows(), _random_tensor(8, 24, 256)])
+    _check(x, name, _imatrix(im_kind, 256, seed=6))
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q4_K", "Q3_K"])
 def test_slicing_does_not_change_bytes(name, monkeypatch):
     """CPU slices (a ragged last one included) carry the matching imatrix and row sigma²."""

@@ -20,6 +20,7 @@ a contiguous row.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import GGMLType, register
@@ -465,6 +466,53 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     return scale, the_min, L
 
 
+class _TorchOps:
+    """The array operations :func:`make_qp_quants` uses, on torch tensors (any device)."""
+    where = staticmethod(torch.where)
+    zeros_like = staticmethod(torch.zeros_like)
+    nearest_int = staticmethod(nearest_int)
+    div = staticmethod(fdiv)
+    seq_sum = staticmethod(seq_sum0)
+
+    @staticmethod
+    def cap(a, hi: int):
+        return a.clamp_max(hi)
+
+    @staticmethod
+    def float32(a):
+        return a.to(torch.float32)
+
+
+class _NumpyOps:
+    """The same on NumPy arrays: float32 ops with one rounding each (NumPy >= 2 keeps a
+    Python scalar in the array's dtype), C's ``nearest_int`` through the int32 bits, row sums
+    by ``np.add.reduce(axis=0)`` (row by row from +0, as :func:`common.seq_sum0`)."""
+    where = staticmethod(np.where)
+    zeros_like = staticmethod(np.zeros_like)
+    cap = staticmethod(np.minimum)
+
+    @staticmethod
+    def nearest_int(a):
+        return ((a + np.float32(12582912.0)).view(np.int32) & 0x7FFFFF) - 0x400000
+
+    @staticmethod
+    def div(a, b):
+        return np.divide(np.float32(a) if isinstance(a, float) else a, b)
+
+    @staticmethod
+    def seq_sum(a):
+        return np.add.reduce(a, axis=0)
+
+    @staticmethod
+    def float32(a):
+        return a.astype(np.float32)
+
+
+#: make_qp_quants on the CPU runs its operations in NumPy (tests switch this off to check the
+#: torch operations, which other devices use, against them bit for bit)
+QP_NUMPY_ON_CPU = True
+
+
 def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_qp_quants(n, nmax, x, L, quant_weights)`` over many groups: the
     non-negative quantization of a super-block's sub-block scales (or mins) with weights.
@@ -473,59 +521,76 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     Inverse scale nmax/max, then (nmax + 0.1*t)/max for t = -4..4 if its weighted squared
     error is lower; then up to 5 coordinate-descent passes. Returns (scale float32 [S],
     L int32 [n, S] of the uint8 values C stores: 0..nmax, or wrapped modulo 256 for
-    negative x). Groups whose max is below 1e-15 give scale 0, L = 0. All work is on the
-    small [n, S] arrays, with C's integer ``nearest_int`` throughout.
+    negative x), on ``x``'s device. Groups whose max is below 1e-15 give scale 0, L = 0. All
+    work is on the small [n, S] arrays, with C's integer ``nearest_int`` throughout.
+
+    These arrays are small (Q4_K: [8, 2048] per codec slice) and the passes issue ~1,500
+    elementwise operations, so the time is the operations' dispatch: on the CPU they run in
+    NumPy (:data:`QP_NUMPY_ON_CPU`), ~0.5 us each against torch's 1.2-3 us: [8, 2048] in
+    1.5 ms against 4.0 ms, Q4_K of 2M values with an imatrix 240-252 ms against 256-272
+    (one thread, ``scripts/micro_figures.py --qp``); elsewhere in torch. Both run
+    :func:`_qp_search`, the same operations in the same order.
     """
+    if QP_NUMPY_ON_CPU and x.device.type == "cpu":
+        with np.errstate(all="ignore"):     # (C divides by zero and overflows silently too)
+            scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
+        return torch.from_numpy(scale), torch.from_numpy(L)
+    return _qp_search(_TorchOps, x, w, nmax)
+
+
+def _qp_search(xp, x, w, nmax: int):
+    """:func:`make_qp_quants` on arrays ``x``, ``w`` (torch tensors or NumPy arrays) with the
+    operations of ``xp`` (:class:`_TorchOps` or :class:`_NumpyOps`)."""
     n = x.shape[0]
     # C: max = MAX(max, x[i]) from 0 (the macro keeps max unless max > x[i] fails)
-    mx = torch.zeros_like(x[0])
+    mx = xp.zeros_like(x[0])
     for i in range(n):
-        mx = torch.where(mx > x[i], mx, x[i])
+        mx = xp.where(mx > x[i], mx, x[i])
     zero = mx < GROUP_MAX_EPS
-    iscale = fdiv(float(nmax), mx)
+    iscale = xp.div(float(nmax), mx)
 
-    def mse(scale: torch.Tensor, lf: torch.Tensor) -> torch.Tensor:
+    def mse(scale, lf):
         diff = x - scale * lf
-        return seq_sum0(w * diff * diff)   # (w*diff)*diff, left to right
+        return xp.seq_sum(w * diff * diff)   # (w*diff)*diff, left to right
 
     # first estimate: L stored unclamped as uint8, and that stored value enters the error
-    best = mse(fdiv(1.0, iscale), (nearest_int(iscale * x) & 0xFF).to(torch.float32))
+    best = mse(xp.div(1.0, iscale), xp.float32(xp.nearest_int(iscale * x) & 0xFF))
     for step in range(-4, 5):
         if step == 0:
             continue
-        iscale_is = fdiv(f32(f32(f32(0.1) * step) + nmax), mx)
-        cur = mse(fdiv(1.0, iscale_is), nearest_int(iscale_is * x).clamp_max_(nmax).to(torch.float32))
+        iscale_is = xp.div(f32(f32(f32(0.1) * step) + nmax), mx)
+        cur = mse(xp.div(1.0, iscale_is), xp.float32(xp.cap(xp.nearest_int(iscale_is * x), nmax)))
         take = cur < best
-        best = torch.where(take, cur, best)
-        iscale = torch.where(take, iscale_is, iscale)
-    l = nearest_int(iscale * x).clamp_max_(nmax)
+        best = xp.where(take, cur, best)
+        iscale = xp.where(take, iscale_is, iscale)
+    l = xp.cap(xp.nearest_int(iscale * x), nmax)
     wx = w * x
-    lf = l.to(torch.float32)
-    sumlx = seq_sum0(wx * lf)
-    suml2 = seq_sum0(w * lf * lf)
+    lf = xp.float32(l)
+    sumlx = xp.seq_sum(wx * lf)
+    suml2 = xp.seq_sum(w * lf * lf)
     L = l & 0xFF                        # uint8 L[i]; the passes below read the stored value
     for _ in range(5):
         # a pass that changes nothing leaves the state as it was, so running all 5 passes
         # equals C's per-group ``if (!n_changed) break``
-        changed = torch.zeros_like(zero)
+        changed = xp.zeros_like(zero)
         for i in range(n):
-            li = L[i].to(torch.float32)
+            li = xp.float32(L[i])
             slx = sumlx - wx[i] * li
             sl2 = suml2 - w[i] * li * li
-            new_l = nearest_int(x[i] * sl2 / slx).clamp_max_(nmax)
-            nl = new_l.to(torch.float32)
+            new_l = xp.cap(xp.nearest_int(x[i] * sl2 / slx), nmax)
+            nl = xp.float32(new_l)
             slx2 = slx + wx[i] * nl
             sl22 = sl2 + w[i] * nl * nl
             accept = (slx > 0) & (sl2 > 0) & (new_l != L[i]) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[i] = torch.where(accept, new_l & 0xFF, L[i])
-            sumlx = torch.where(accept, slx2, sumlx)
-            suml2 = torch.where(accept, sl22, suml2)
+            L[i] = xp.where(accept, new_l & 0xFF, L[i])
+            sumlx = xp.where(accept, slx2, sumlx)
+            suml2 = xp.where(accept, sl22, suml2)
             changed |= accept
         if not bool(changed.any()):
             break
-    scale = torch.where(suml2 > 0, sumlx / suml2, 0.0)
-    scale = torch.where(zero, 0.0, scale)
-    return scale, L.masked_fill_(zero, 0)
+    scale = xp.where(suml2 > 0, sumlx / suml2, 0.0)
+    scale = xp.where(zero, 0.0, scale)
+    return scale, xp.where(zero, 0, L)
 
 
 # ============================================================================ Q2_K

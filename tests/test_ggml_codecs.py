@@ -133,6 +133,15 @@ def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
     assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
 
 
+def test_q3_descent_torch_ops(inputs, monkeypatch):
+    """make_q3_quants' coordinate descent (Q3_K) with torch's operations, which other devices
+    run, gives llama.cpp's bytes as the NumPy ones the CPU runs do (the other tests)."""
+    monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
+    x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64],
+                        inputs["fuzz_rows"][:16].reshape(-1, 256)])
+    assert np.array_equal(_ours(x, "Q3_K"), ggml_ref.ref_quantize(x, "Q3_K"))
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q3_K", "Q6_K"])
 def test_slicing_does_not_change_bytes(inputs, name, monkeypatch):
     """The CPU slicing into cache-sized pieces (including a ragged last slice) is invisible."""

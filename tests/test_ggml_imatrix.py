@@ -150,7 +150,7 @@ def test_make_qp_quants_torch_ops(name, im_kind, monkeypatch):
     """make_qp_quants (the weighted scale and min search of Q2_K, Q4_K, Q5_K) with torch's
     operations, which other devices run, gives llama.cpp's bytes as the NumPy ones the CPU
     runs do (the other tests)."""
-    monkeypatch.setattr(kquants, "QP_NUMPY_ON_CPU", False)
+    monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
     x = np.concatenate([edge_rows(), _random_tensor(8, 24, 256)])
     _check(x, name, _imatrix(im_kind, 256, seed=6))
 

@@ -13,6 +13,10 @@ Bit-exactness rules followed throughout:
   positions of a sub-block, each step one vectorized op over all sub-blocks.
 * the scales ``d``/``dmin`` are stored as fp16 (RNE) and read back through fp16 for the
   requantization, as C does.
+* the searches made of many operations on small arrays (``make_qp_quants``,
+  ``make_q3_quants``' coordinate descent) are written once over :class:`_TorchOps` /
+  :class:`_NumpyOps` and run in NumPy on the CPU, where torch's per-operation dispatch
+  would dominate; float32 NumPy operations round once each, as torch's.
 
 Internally sub-blocks are laid out "positions first": ``X[i, s]`` is element ``i`` of
 sub-block ``s`` (``s = superblock * n_sub + j``), so that one position of all sub-blocks is
@@ -249,6 +253,79 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     return scale, L
 
 
+class _TorchOps:
+    """The array operations of the searches written for torch tensors and NumPy arrays alike
+    (:func:`make_qp_quants`, :func:`make_q3_quants`' coordinate descent), on torch tensors
+    (any device)."""
+    where = staticmethod(torch.where)
+    zeros_like = staticmethod(torch.zeros_like)
+    nearest_int = staticmethod(nearest_int)
+    div = staticmethod(fdiv)
+    seq_sum = staticmethod(seq_sum0)
+    clip = staticmethod(torch.clamp)
+
+    @staticmethod
+    def cap(a, hi: int):
+        return a.clamp_max(hi)
+
+    @staticmethod
+    def float32(a):
+        return a.to(torch.float32)
+
+    @staticmethod
+    def false_like(a):
+        return torch.zeros_like(a, dtype=torch.bool)
+
+    @staticmethod
+    def flatnonzero(a):
+        return torch.nonzero(a).squeeze(1)
+
+    @staticmethod
+    def take_cols(a, idx):
+        return a.index_select(1, idx)
+
+
+class _NumpyOps:
+    """The same on NumPy arrays: float32 ops with one rounding each (NumPy >= 2 keeps a
+    Python scalar in the array's dtype), C's ``nearest_int`` through the int32 bits, row sums
+    by ``np.add.reduce(axis=0)`` (row by row from +0, as :func:`common.seq_sum0`)."""
+    where = staticmethod(np.where)
+    zeros_like = staticmethod(np.zeros_like)
+    cap = staticmethod(np.minimum)
+    clip = staticmethod(np.clip)
+    flatnonzero = staticmethod(np.flatnonzero)
+
+    @staticmethod
+    def nearest_int(a):
+        return ((a + np.float32(12582912.0)).view(np.int32) & 0x7FFFFF) - 0x400000
+
+    @staticmethod
+    def div(a, b):
+        return np.divide(np.float32(a) if isinstance(a, float) else a, b)
+
+    @staticmethod
+    def seq_sum(a):
+        return np.add.reduce(a, axis=0)
+
+    @staticmethod
+    def float32(a):
+        return a.astype(np.float32)
+
+    @staticmethod
+    def false_like(a):
+        return np.zeros_like(a, dtype=bool)
+
+    @staticmethod
+    def take_cols(a, idx):
+        return np.take(a, idx, axis=1)
+
+
+#: the searches written for both (:class:`_TorchOps`) run in NumPy on the CPU, where their
+#: many operations on small arrays cost torch's dispatch (tests switch this off to check the
+#: torch operations, which other devices run, against llama.cpp's bytes)
+NUMPY_SEARCHES_ON_CPU = True
+
+
 def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over many sub-blocks.
 
@@ -272,26 +349,46 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     sumlx, suml2 = s[0], s[1]
     del p
 
-    # Coordinate descent. Pass 1 runs on all sub-blocks (the all-zero ones masked out);
-    # later passes on a shrinking working set: the sub-blocks that changed something in the
-    # previous pass (C's per-block ``if (!n_changed) break``). Gathering them costs a host
-    # sync per pass, but most sub-blocks stop after one or two passes.
+    if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
+        with np.errstate(all="ignore"):     # (C divides by zero silently too)
+            sums = _q3_descent(_NumpyOps, x.numpy(), w.numpy(), wx.numpy(), L.numpy(),
+                               sumlx.numpy(), suml2.numpy(), (~zero).numpy(), nmax)
+        sumlx, suml2 = (torch.from_numpy(v) for v in sums)
+    else:
+        sumlx, suml2 = _q3_descent(_TorchOps, x, w, wx, L, sumlx, suml2, ~zero, nmax)
+    scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
+    scale.masked_fill_(zero, 0.0)
+    L.add_(nmax).masked_fill_(zero, 0.0)
+    return scale, L
+
+
+def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
+    """:func:`make_q3_quants`' coordinate descent on arrays (torch tensors or NumPy arrays,
+    operations of ``xp``: :class:`_TorchOps` or :class:`_NumpyOps`): ``x``, ``w`` = x²,
+    ``wx`` = w*x float32 [n, S]; ``L`` float32 [n, S] (levels -nmax..nmax-1, updated in
+    place); ``sumlx``, ``suml2`` float32 [S] (their sums); ``act`` bool [S] (False: an
+    all-zero sub-block, left as it is). Returns the final (sumlx, suml2).
+
+    Pass 1 runs on all sub-blocks; later passes on a shrinking working set: the sub-blocks
+    that changed something in the previous pass (C's per-block ``if (!n_changed) break``;
+    most stop after one or two passes: of 16,384 Gaussian sub-blocks 3,284 go on to a second
+    pass, 850 to a third). On the CPU these are NumPy's operations: the later passes' arrays
+    are small, and a pass issues ~350 of them (Q3_K of 2M values 61-64 ms against 97-104 ms
+    with torch's, one thread, ``scripts/micro_figures.py --numpy-searches``)."""
+    n = x.shape[0]
     idx = None                                          # None: the full set
-    act = ~zero
     xa, wa, wxa, La = x, w, wx, L
     slx_a, sl2_a = sumlx, suml2
-    t = torch.empty_like(slx_a)
-    new_l = torch.empty_like(slx_a)
     for _ in range(5):
-        changed = torch.zeros_like(slx_a, dtype=torch.bool)
+        changed = xp.false_like(slx_a)
         for i in range(n):
             xi, wi, wxi, li = xa[i], wa[i], wxa[i], La[i]
             slx = slx_a - wxi * li
             wl = wi * li
             sl2 = sl2_a - wl * li
-            torch.mul(xi, sl2, out=t)
-            t.div_(slx)                                 # x*sl2/slx
-            _ni_clamp_(t, -nmax, nmax - 1, new_l)
+            t = xi * sl2
+            t /= slx                                    # x*sl2/slx
+            new_l = xp.float32(xp.clip(xp.nearest_int(t), -nmax, nmax - 1))
             slx2 = wxi * new_l
             slx2 += slx
             wl = wi * new_l
@@ -307,29 +404,24 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
             accept &= sl22 > 0
             if act is not None:
                 accept &= act
-            torch.where(accept, new_l, li, out=li)
-            slx_a = torch.where(accept, slx2, slx_a)
-            sl2_a = torch.where(accept, sl22, sl2_a)
+            La[i] = xp.where(accept, new_l, li)
+            slx_a = xp.where(accept, slx2, slx_a)
+            sl2_a = xp.where(accept, sl22, sl2_a)
             changed |= accept
         if idx is None:
             sumlx, suml2 = slx_a, sl2_a                 # L was updated in place
         else:
-            L.index_copy_(1, idx, La)
-            sumlx.index_copy_(0, idx, slx_a)
-            suml2.index_copy_(0, idx, sl2_a)
-        keep = torch.nonzero(changed).squeeze(1)
-        if keep.numel() == 0:
+            L[:, idx] = La
+            sumlx[idx] = slx_a
+            suml2[idx] = sl2_a
+        keep = xp.flatnonzero(changed)
+        if keep.shape[0] == 0:
             break
         idx = keep if idx is None else idx[keep]
         act = None
-        xa, wa, wxa, La = (a.index_select(1, keep) for a in (xa, wa, wxa, La))
+        xa, wa, wxa, La = (xp.take_cols(a, keep) for a in (xa, wa, wxa, La))
         slx_a, sl2_a = slx_a[keep], sl2_a[keep]
-        t = torch.empty_like(slx_a)
-        new_l = torch.empty_like(slx_a)
-    scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
-    scale.masked_fill_(zero, 0.0)
-    L.add_(nmax).masked_fill_(zero, 0.0)
-    return scale, L
+    return sumlx, suml2
 
 
 def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
@@ -466,53 +558,6 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     return scale, the_min, L
 
 
-class _TorchOps:
-    """The array operations :func:`make_qp_quants` uses, on torch tensors (any device)."""
-    where = staticmethod(torch.where)
-    zeros_like = staticmethod(torch.zeros_like)
-    nearest_int = staticmethod(nearest_int)
-    div = staticmethod(fdiv)
-    seq_sum = staticmethod(seq_sum0)
-
-    @staticmethod
-    def cap(a, hi: int):
-        return a.clamp_max(hi)
-
-    @staticmethod
-    def float32(a):
-        return a.to(torch.float32)
-
-
-class _NumpyOps:
-    """The same on NumPy arrays: float32 ops with one rounding each (NumPy >= 2 keeps a
-    Python scalar in the array's dtype), C's ``nearest_int`` through the int32 bits, row sums
-    by ``np.add.reduce(axis=0)`` (row by row from +0, as :func:`common.seq_sum0`)."""
-    where = staticmethod(np.where)
-    zeros_like = staticmethod(np.zeros_like)
-    cap = staticmethod(np.minimum)
-
-    @staticmethod
-    def nearest_int(a):
-        return ((a + np.float32(12582912.0)).view(np.int32) & 0x7FFFFF) - 0x400000
-
-    @staticmethod
-    def div(a, b):
-        return np.divide(np.float32(a) if isinstance(a, float) else a, b)
-
-    @staticmethod
-    def seq_sum(a):
-        return np.add.reduce(a, axis=0)
-
-    @staticmethod
-    def float32(a):
-        return a.astype(np.float32)
-
-
-#: make_qp_quants on the CPU runs its operations in NumPy (tests switch this off to check the
-#: torch operations, which other devices use, against them bit for bit)
-QP_NUMPY_ON_CPU = True
-
-
 def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp ``make_qp_quants(n, nmax, x, L, quant_weights)`` over many groups: the
     non-negative quantization of a super-block's sub-block scales (or mins) with weights.
@@ -526,12 +571,12 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
 
     These arrays are small (Q4_K: [8, 2048] per codec slice) and the passes issue ~1,500
     elementwise operations, so the time is the operations' dispatch: on the CPU they run in
-    NumPy (:data:`QP_NUMPY_ON_CPU`), ~0.5 us each against torch's 1.2-3 us: [8, 2048] in
+    NumPy (:data:`NUMPY_SEARCHES_ON_CPU`), ~0.5 us each against torch's 1.2-3 us: [8, 2048] in
     1.5 ms against 4.0 ms, Q4_K of 2M values with an imatrix 240-252 ms against 256-272
-    (one thread, ``scripts/micro_figures.py --qp``); elsewhere in torch. Both run
+    (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in torch. Both run
     :func:`_qp_search`, the same operations in the same order.
     """
-    if QP_NUMPY_ON_CPU and x.device.type == "cpu":
+    if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         with np.errstate(all="ignore"):     # (C divides by zero and overflows silently too)
             scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
         return torch.from_numpy(scale), torch.from_numpy(L)

@@ -63,11 +63,11 @@ numpy's axis-0 reduce against a loop of torch adds on the K-quant searches' shap
 (one thread, alternating, four runs each; the same bytes).
 
 With ``--numpy-searches`` only the searches written for NumPy and torch alike
-(``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search, and
-``make_q3_quants``' coordinate descent) with NumPy's operations (the CPU's) against torch's
-(other devices'): milliseconds per make_qp_quants call on [8, 2048], then Q2_K, Q4_K and
-Q5_K with an imatrix and Q3_K without, 2M values each (one thread, alternating, four runs
-each; the same bytes).
+(``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search,
+``make_q3_quants``' coordinate descent and ``make_qkx2_quants``' acceptance test) with NumPy's
+operations (the CPU's) against torch's (other devices'): milliseconds per make_qp_quants call
+on [8, 2048], then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K and Q4_K without, 2M values
+each (one thread, alternating, four runs each; the same bytes).
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
@@ -560,11 +560,11 @@ def state_select() -> None:
 
 def numpy_searches() -> None:
     """The searches written for NumPy and torch alike (``kquants.make_qp_quants``, the
-    weighted scale and min search of Q2_K, Q4_K, Q5_K, and ``make_q3_quants``' descent) with
-    NumPy's operations against torch's: one make_qp_quants call on [8, 2048] (a Q4_K codec
-    slice's scales and mins, best of 20), then Q2_K, Q4_K and Q5_K of 512 x 4,096 values with
-    an importance vector and Q3_K without (one thread, alternating, four runs each, the bytes
-    compared)."""
+    weighted scale and min search of Q2_K, Q4_K, Q5_K, ``make_q3_quants``' descent and
+    ``make_qkx2_quants``' acceptance test) with NumPy's operations against torch's: one
+    make_qp_quants call on [8, 2048] (a Q4_K codec slice's scales and mins, best of 20), then
+    Q2_K, Q4_K and Q5_K of 512 x 4,096 values with an importance vector and Q3_K and Q4_K
+    without (one thread, alternating, four runs each, the bytes compared)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import kquants
 
@@ -584,7 +584,8 @@ def numpy_searches() -> None:
     v = torch.randn(512, 4096, generator=g) * 0.02
     imatrix = torch.rand(4096, generator=g) ** 2 * 10
     codecs = tuple((t, lambda t=t: ggml.quantize(v, t, imatrix)) for t in ("Q2_K", "Q4_K", "Q5_K"))
-    codec_ab(ways, use, codecs + (("Q3_K", lambda: ggml.quantize(v, "Q3_K")),), "torch", 6)
+    codecs += tuple((t + " -", lambda t=t: ggml.quantize(v, t)) for t in ("Q3_K", "Q4_K"))
+    codec_ab(ways, use, codecs, "torch", 6)
 
 
 def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:
@@ -727,7 +728,8 @@ def main() -> int:
                     help="only the K-quant searches' state update: int32 bits against torch.where")
     ap.add_argument("--numpy-searches", action="store_true",
                     help="only the searches written for NumPy and torch alike (make_qp_quants, "
-                         "make_q3_quants' descent): NumPy's operations against torch's")
+                         "make_q3_quants' descent, make_qkx2_quants' acceptance test): "
+                         "NumPy's operations against torch's")
     ap.add_argument("--seq-sum", action="store_true",
                     help="only the codecs' sequential sums: numpy's reduce against torch adds")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",

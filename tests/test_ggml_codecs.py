@@ -133,13 +133,15 @@ def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
     assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
 
 
-def test_q3_descent_torch_ops(inputs, monkeypatch):
-    """make_q3_quants' coordinate descent (Q3_K) with torch's operations, which other devices
-    run, gives llama.cpp's bytes as the NumPy ones the CPU runs do (the other tests)."""
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K"])
+def test_numpy_searches_torch_ops(inputs, name, monkeypatch):
+    """The searches that run NumPy's operations on the CPU (make_q3_quants' coordinate
+    descent, make_qkx2_quants' acceptance test) give llama.cpp's bytes with torch's
+    operations too, which other devices run."""
     monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
     x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64],
                         inputs["fuzz_rows"][:16].reshape(-1, 256)])
-    assert np.array_equal(_ours(x, "Q3_K"), ggml_ref.ref_quantize(x, "Q3_K"))
+    assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q3_K", "Q6_K"])

@@ -561,7 +561,8 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     lt = torch.empty(S, dtype=torch.bool, device=dev)
     # the acceptance test's operations on these [S] rows: NumPy's on the CPU, on views of the
     # same memory (torch's comparisons and masked writes take 4.5-9 us each there, NumPy's
-    # ~1: 36 against 8 us per step on 8,192 sub-blocks), torch's elsewhere
+    # ~1; Q4_K of 2M values 128-140 ms against 132-152, ``scripts/micro_figures.py
+    # --numpy-searches``), torch's elsewhere
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     (pos_, take_, lt_, this_min_, this_scale_, alt_, sum_xl_, sum_l2_, fit_d_, cur_,
      best_) = map(sm.view, (pos, take, lt, this_min, this_scale, alt, sum_xl, sum_l2, fit_d, cur, best))

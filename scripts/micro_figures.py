@@ -65,8 +65,9 @@ numpy's axis-0 reduce against a loop of torch adds on the K-quant searches' shap
 With ``--numpy-searches`` only the searches written for NumPy and torch alike
 (``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search,
 ``make_q3_quants``' coordinate descent and ``make_qkx2_quants``' acceptance test) with NumPy's
-operations (the CPU's) against torch's (other devices'): milliseconds per make_qp_quants call
-on [8, 2048], then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K and Q4_K without, 2M values
+operations (the CPU's) against torch's (other devices'): microseconds of one product,
+comparison and masked write on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
+the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K and Q4_K without, 2M values
 each (one thread, alternating, four runs each; the same bytes).
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
@@ -576,11 +577,35 @@ def numpy_searches() -> None:
 
     def use(flag: bool) -> None:
         kquants.NUMPY_SEARCHES_ON_CPU = flag
+    # one operation on a search step's [8192] rows: a product, a comparison, a masked write
+    a, b = torch.rand(8192, generator=g), torch.rand(8192, generator=g)
+    o, m = torch.empty(8192), torch.empty(8192, dtype=torch.bool)
+    an, bn, on, mn = a.numpy(), b.numpy(), o.numpy(), m.numpy()
+    ops = {"product": (lambda: torch.mul(a, b, out=o), lambda: np.multiply(an, bn, out=on)),
+           "comparison": (lambda: torch.gt(a, 0, out=m), lambda: np.greater(an, 0, out=mn)),
+           "masked write": (lambda: o.masked_fill_(m, 0.0), lambda: np.copyto(on, 0.0, where=mn))}
+    for name, (tf, nf) in ops.items():
+        t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
+        print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
     for way, flag in ways.items():
         use(flag)
         ms = best_ms(lambda: [kquants.make_qp_quants(x, w, 63) for _ in range(20)], n=3) / 20
         print(f"make_qp_quants of [8, 2048], {way:6s} {ms:6.2f} ms")
     use(True)
+    # how many of a Q3_K slice's sub-blocks each descent pass works on (Gaussian values)
+    sizes: list[int] = []
+
+    class Counting(kquants._NumpyOps):
+        @staticmethod
+        def flatnonzero(c):
+            sizes.extend(([int(c.shape[0])] if not sizes else []) + [int(np.count_nonzero(c))])
+            return np.flatnonzero(c)
+    real, kquants._NumpyOps = kquants._NumpyOps, Counting
+    try:
+        kquants.quantize_q3_k.__wrapped__(torch.randn(1024, 256, generator=g) * 0.02)
+    finally:
+        kquants._NumpyOps = real
+    print("Q3_K descent passes on 2^18 values work on", ", ".join(map(str, sizes[:-1])), "sub-blocks")
     v = torch.randn(512, 4096, generator=g) * 0.02
     imatrix = torch.rand(4096, generator=g) ** 2 * 10
     codecs = tuple((t, lambda t=t: ggml.quantize(v, t, imatrix)) for t in ("Q2_K", "Q4_K", "Q5_K"))

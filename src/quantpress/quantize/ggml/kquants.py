@@ -318,9 +318,7 @@ class _NumpyOps:
     def nearest_int(a):
         return ((a + np.float32(12582912.0)).view(np.int32) & 0x7FFFFF) - 0x400000
 
-    @staticmethod
-    def div(a, b):
-        return np.divide(np.float32(a) if isinstance(a, float) else a, b)
+    div = staticmethod(np.divide)       # (a Python float numerator stays float32: NEP 50)
 
     @staticmethod
     def seq_sum(a):
@@ -403,10 +401,11 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
 
     Pass 1 runs on all sub-blocks; later passes on a shrinking working set: the sub-blocks
     that changed something in the previous pass (C's per-block ``if (!n_changed) break``;
-    most stop after one or two passes: of 16,384 Gaussian sub-blocks 3,284 go on to a second
-    pass, 850 to a third). On the CPU these are NumPy's operations: the later passes' arrays
-    are small, and a pass issues ~350 of them (Q3_K of 2M values 61-64 ms against 97-104 ms
-    with torch's, one thread, ``scripts/micro_figures.py --numpy-searches``)."""
+    most stop after one or two passes: of 16,384 Gaussian sub-blocks 3,264 go on to a second
+    pass, 836 to a third). On the CPU these are NumPy's operations: the later passes' arrays
+    are small, and a pass is 16 positions of ~22 operations (Q3_K of 2M values 61-64 ms
+    against 97-104 ms with torch's, one thread; both figures ``scripts/micro_figures.py
+    --numpy-searches``)."""
     n = x.shape[0]
     idx = None                                          # None: the full set
     xa, wa, wxa, La = x, w, wx, L
@@ -560,9 +559,9 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     fit_num, fit_d, fit = R[1:3], R[0], NEW[3:5]
     lt = torch.empty(S, dtype=torch.bool, device=dev)
     # the acceptance test's operations on these [S] rows: NumPy's on the CPU, on views of the
-    # same memory (torch's comparisons and masked writes take 4.5-9 us each there, NumPy's
-    # ~1; Q4_K of 2M values 128-140 ms against 132-152, ``scripts/micro_figures.py
-    # --numpy-searches``), torch's elsewhere
+    # same memory (on an [8192] row torch's comparison takes 6.3 us, NumPy's 1.2, a masked
+    # write 7.4 against 3.6; Q4_K of 2M values 128-140 ms against 132-152,
+    # ``scripts/micro_figures.py --numpy-searches``), torch's elsewhere
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     (pos_, take_, lt_, this_min_, this_scale_, alt_, sum_xl_, sum_l2_, fit_d_, cur_,
      best_) = map(sm.view, (pos, take, lt, this_min, this_scale, alt, sum_xl, sum_l2, fit_d, cur, best))
@@ -609,12 +608,13 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     negative x), on ``x``'s device. Groups whose max is below 1e-15 give scale 0, L = 0. All
     work is on the small [n, S] arrays, with C's integer ``nearest_int`` throughout.
 
-    These arrays are small (Q4_K: [8, 2048] per codec slice) and the passes issue ~1,500
-    elementwise operations, so the time is the operations' dispatch: on the CPU they run in
-    NumPy (:data:`NUMPY_SEARCHES_ON_CPU`), ~0.5 us each against torch's 1.2-3 us: [8, 2048] in
-    1.5 ms against 4.0 ms, Q4_K of 2M values with an imatrix 240-252 ms against 256-272
-    (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in torch. Both run
-    :func:`_qp_search`, the same operations in the same order.
+    These arrays are small (Q4_K: [8, 2048] per codec slice) and the search and up to 5
+    passes over 8 positions of ~35 operations each are mostly the operations' dispatch: on
+    the CPU they run in NumPy (:data:`NUMPY_SEARCHES_ON_CPU`; on an [8192] row a product
+    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.5 ms against
+    4.0 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 228-232 ms
+    against 252-261 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
+    torch. Both run :func:`_qp_search`, the same operations in the same order.
     """
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         with np.errstate(all="ignore"):     # (C divides by zero and overflows silently too)

@@ -66,9 +66,10 @@ With ``--numpy-searches`` only the searches written for NumPy and torch alike
 (``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search,
 ``make_q3_quants``' coordinate descent and ``make_qkx2_quants``' acceptance test) with NumPy's
 operations (the CPU's) against torch's (other devices'): microseconds of one product,
-comparison and masked write on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
+comparison, masked write and select (``where``) on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
 the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K and Q4_K without, 2M values
-each (one thread, alternating, four runs each; the same bytes).
+each (one thread, alternating, four runs each; the same bytes), and Q3_K with the descent's
+test on the gathered sub-blocks whose level changes against on whole rows.
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
@@ -577,13 +578,14 @@ def numpy_searches() -> None:
 
     def use(flag: bool) -> None:
         kquants.NUMPY_SEARCHES_ON_CPU = flag
-    # one operation on a search step's [8192] rows: a product, a comparison, a masked write
+    # one operation on a search step's [8192] rows: a product, a comparison, a masked write, a select
     a, b = torch.rand(8192, generator=g), torch.rand(8192, generator=g)
     o, m = torch.empty(8192), torch.empty(8192, dtype=torch.bool)
     an, bn, on, mn = a.numpy(), b.numpy(), o.numpy(), m.numpy()
     ops = {"product": (lambda: torch.mul(a, b, out=o), lambda: np.multiply(an, bn, out=on)),
            "comparison": (lambda: torch.gt(a, 0, out=m), lambda: np.greater(an, 0, out=mn)),
-           "masked write": (lambda: o.masked_fill_(m, 0.0), lambda: np.copyto(on, 0.0, where=mn))}
+           "masked write": (lambda: o.masked_fill_(m, 0.0), lambda: np.copyto(on, 0.0, where=mn)),
+           "select": (lambda: torch.where(m, a, b), lambda: np.where(mn, an, bn))}
     for name, (tf, nf) in ops.items():
         t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
@@ -597,20 +599,27 @@ def numpy_searches() -> None:
 
     class Counting(kquants._NumpyOps):
         @staticmethod
-        def flatnonzero(c):
-            sizes.extend(([int(c.shape[0])] if not sizes else []) + [int(np.count_nonzero(c))])
-            return np.flatnonzero(c)
+        def false_like(a):                  # (once per pass, on the pass's sums)
+            sizes.append(int(a.shape[0]))
+            return np.zeros_like(a, dtype=bool)
     real, kquants._NumpyOps = kquants._NumpyOps, Counting
     try:
         kquants.quantize_q3_k.__wrapped__(torch.randn(1024, 256, generator=g) * 0.02)
     finally:
         kquants._NumpyOps = real
-    print("Q3_K descent passes on 2^18 values work on", ", ".join(map(str, sizes[:-1])), "sub-blocks")
+    print("Q3_K descent passes on 2^18 values work on", ", ".join(map(str, sizes)), "sub-blocks")
     v = torch.randn(512, 4096, generator=g) * 0.02
     imatrix = torch.rand(4096, generator=g) ** 2 * 10
     codecs = tuple((t, lambda t=t: ggml.quantize(v, t, imatrix)) for t in ("Q2_K", "Q4_K", "Q5_K"))
     codecs += tuple((t + " -", lambda t=t: ggml.quantize(v, t)) for t in ("Q3_K", "Q4_K"))
     codec_ab(ways, use, codecs, "torch", 6)
+    # Q3_K's descent with its test on the gathered sub-blocks whose level changes against
+    # the test on whole rows (NumPy's select, as torch's path does)
+
+    def gathers(flag: bool) -> None:
+        kquants._NumpyOps.GATHERS = flag
+    codec_ab({"NumPy, test gathered": True, "NumPy, whole rows": False}, gathers,
+             (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")),), "NumPy, whole rows", 20)
 
 
 def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:

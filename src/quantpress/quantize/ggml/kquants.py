@@ -260,6 +260,9 @@ class _TorchOps:
     :func:`make_qkx2_quants`' steps), on torch tensors (any device)."""
     where = staticmethod(torch.where)
     zeros_like = staticmethod(torch.zeros_like)
+    #: the Q3_K descent's test goes on with the few changing sub-blocks' values gathered
+    #: (a host synchronization per position: not on an accelerator)
+    GATHERS = False
     nearest_int = staticmethod(nearest_int)
     div = staticmethod(fdiv)
     seq_sum = staticmethod(seq_sum0)
@@ -310,6 +313,7 @@ class _NumpyOps:
     by ``np.add.reduce(axis=0)`` (row by row from +0, as :func:`common.seq_sum0`)."""
     where = staticmethod(np.where)
     zeros_like = staticmethod(np.zeros_like)
+    GATHERS = True
     cap = staticmethod(np.minimum)
     clip = staticmethod(np.clip)
     flatnonzero = staticmethod(np.flatnonzero)
@@ -397,15 +401,18 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
     operations of ``xp``: :class:`_TorchOps` or :class:`_NumpyOps`): ``x``, ``w`` = x²,
     ``wx`` = w*x float32 [n, S]; ``L`` float32 [n, S] (levels -nmax..nmax-1, updated in
     place); ``sumlx``, ``suml2`` float32 [S] (their sums); ``act`` bool [S] (False: an
-    all-zero sub-block, left as it is). Returns the final (sumlx, suml2).
+    all-zero sub-block, left as it is). Returns the final (sumlx, suml2) (the arrays given
+    may be overwritten).
 
     Pass 1 runs on all sub-blocks; later passes on a shrinking working set: the sub-blocks
     that changed something in the previous pass (C's per-block ``if (!n_changed) break``;
     most stop after one or two passes: of 16,384 Gaussian sub-blocks 3,264 go on to a second
     pass, 836 to a third). On the CPU these are NumPy's operations: the later passes' arrays
-    are small, and a pass is 16 positions of ~22 operations (Q3_K of 2M values 61-64 ms
-    against 97-104 ms with torch's, one thread; both figures ``scripts/micro_figures.py
-    --numpy-searches``)."""
+    are small, and a pass is 16 positions of ~12 operations on the row, then C's test on the
+    few sub-blocks whose level would change (``xp.GATHERS``; torch's path tests whole rows
+    and selects, as a device must without a synchronization). Q3_K of 2M values 60-64 ms
+    against 99-107 ms with torch's operations; the test on whole rows in NumPy 64.5-66.4 ms
+    against 57.0-59.6 gathered (one thread, ``scripts/micro_figures.py --numpy-searches``)."""
     n = x.shape[0]
     idx = None                                          # None: the full set
     xa, wa, wxa, La = x, w, wx, L
@@ -420,19 +427,27 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
             t = xi * sl2
             t /= slx                                    # x*sl2/slx
             new_l = xp.float32(xp.clip(xp.nearest_int(t), -nmax, nmax - 1))
-            slx2 = wxi * new_l
-            slx2 += slx
-            wl = wi * new_l
-            wl *= new_l
-            sl22 = sl2 + wl
-            lhs = slx2 * slx2
-            lhs *= sl2_a
-            rhs = slx_a * slx_a
-            rhs *= sl22
-            accept = lhs > rhs                          # (s*s)*Sl2 > (Slx*Slx)*t
+            if xp.GATHERS:
+                # C goes on only where slx > 0 and the level changes: a few sub-blocks per
+                # position, so the test runs on those alone, gathered (NumPy's select of an
+                # [8192] row takes 7.1 us, a product 1.4: scripts/micro_figures.py --numpy-searches)
+                k = new_l != li
+                k &= slx > 0
+                if act is not None:
+                    k &= act
+                k = xp.flatnonzero(k)
+                if k.shape[0]:
+                    nl = new_l[k]
+                    slx2, sl22, accept = _q3_test(nl, slx[k], sl2[k], wi[k], wxi[k], slx_a[k], sl2_a[k])
+                    kk = k[accept]
+                    li[kk] = nl[accept]
+                    slx_a[kk] = slx2[accept]
+                    sl2_a[kk] = sl22[accept]
+                    changed[kk] = True
+                continue
+            slx2, sl22, accept = _q3_test(new_l, slx, sl2, wi, wxi, slx_a, sl2_a)
             accept &= slx > 0
             accept &= new_l != li
-            accept &= sl22 > 0
             if act is not None:
                 accept &= act
             La[i] = xp.where(accept, new_l, li)
@@ -453,6 +468,25 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
         xa, wa, wxa, La = (xp.take_cols(a, keep) for a in (xa, wa, wxa, La))
         slx_a, sl2_a = slx_a[keep], sl2_a[keep]
     return sumlx, suml2
+
+
+def _q3_test(new_l, slx, sl2, w, wx, slx_a, sl2_a):
+    """C's test in make_q3_quants' descent for a level ``new_l`` at one position: with
+    ``slx``, ``sl2`` the sums without the position, the sums with the new level and whether
+    ``sl2 > 0 && slx*slx*suml2 > sumlx*sumlx*sl2`` (``slx_a``, ``sl2_a``: the sums now).
+    All arrays [k] of one kind (torch or NumPy); returns (slx2, sl22, accept bool [k])."""
+    slx2 = wx * new_l
+    slx2 += slx
+    wl = w * new_l
+    wl *= new_l
+    sl22 = sl2 + wl
+    lhs = slx2 * slx2
+    lhs *= sl2_a
+    rhs = slx_a * slx_a
+    rhs *= sl22
+    accept = lhs > rhs                                  # (s*s)*Sl2 > (Slx*Slx)*t
+    accept &= sl22 > 0
+    return slx2, sl22, accept
 
 
 def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,

@@ -190,6 +190,29 @@ def test_threads_do_not_change_bytes(inputs, name, monkeypatch):
     assert threading.current_thread().name in lanes and len(lanes) >= 2, lanes
 
 
+@pytest.mark.parametrize("name", TYPES + ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_extreme_weights_quantize_silently(name, threads, monkeypatch):
+    """Weights near float32's limit overflow C's sums of squares and products silently: the
+    codecs give llama.cpp's bytes and print no NumPy RuntimeWarning (common.quiet_floats),
+    on the calling thread and on the codec pool's (their NumPy error state is their own)."""
+    x = (np.random.default_rng(5).standard_normal((40, 256)) * 1e30).astype(np.float32)
+    x[::3, :64] *= 1e6
+    ref = ggml_ref.ref_quantize(x, name)
+    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 256 * 8)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS", 256)
+    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _ours(x, name)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(got, ref)
+
+
 @pytest.mark.parametrize("default", [torch.float16, torch.float64])
 def test_codecs_do_not_depend_on_the_default_dtype(inputs, default):
     """The codecs' work buffers are float32 whatever torch's default dtype is (transformers

@@ -373,6 +373,16 @@ def widened(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) if x.is_floating_point() else x
 
 
+def quiet_floats():
+    """A context in which NumPy does not warn about floating-point overflow, division by zero
+    or invalid operations (``np.errstate(all="ignore")``, this thread only): the codecs
+    reproduce C's float arithmetic, which overflows silently on extreme weights (a sum of
+    squares of 1e30 values is Inf there too), so a NumPy operation in them must not print a
+    RuntimeWarning for it. :func:`map_block_slices` runs every CPU slice in it, in whichever
+    thread or codec process."""
+    return np.errstate(all="ignore")
+
+
 def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
@@ -400,7 +410,8 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
 
     def part(i: int, step: int) -> torch.Tensor:
         args = [m[i:i + step] if isinstance(m, torch.Tensor) else m for m in more]
-        return fn(widened(x[i:i + step]), *args)
+        with quiet_floats():
+            return fn(widened(x[i:i + step]), *args)
 
     with single_threaded_ops() as threads:
         per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice

@@ -105,7 +105,7 @@ def _serve(conn, area: SharedArea, inherited: list) -> None:
             real = [area.view(*a[1:]) if isinstance(a, tuple) and a[:1] == ("area",) else a
                     for a in args]
             real[0] = common.widened(real[0])       # the input slice, in float32
-            with torch.no_grad():
+            with torch.no_grad(), common.quiet_floats():
                 out = fn(*real).contiguous()
             at = -(-max(a[1] + math.prod(a[3]) * a[2].itemsize for a in args
                         if isinstance(a, tuple) and a[:1] == ("area",)) // 64) * 64

@@ -23,6 +23,9 @@ LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 TYPES = LEGACY + KQUANTS
 
+# the codecs reproduce C's silent float overflow: a NumPy RuntimeWarning from them fails a test
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -142,10 +142,11 @@ def row_sigma2(rows: torch.Tensor) -> torch.Tensor:
     r, n = rows.shape
     step = r if rows.device.type != "cpu" else max(common.SEQ_SUM_NUMPY_MIN, common.CPU_SLICE_ELEMENTS // max(1, n))
     out = torch.empty((r, 1), dtype=torch.float32, device=rows.device)
-    for r0 in range(0, r, step):
-        part = rows[r0:r0 + step].to(torch.float32)
-        sq = (part * part).t().contiguous()    # positions first: each step one contiguous row
-        out[r0:r0 + step, 0] = fdiv(seq_sum0(sq), float(n))
+    with common.quiet_floats():                 # (C's sum overflows silently too)
+        for r0 in range(0, r, step):
+            part = rows[r0:r0 + step].to(torch.float32)
+            sq = (part * part).t().contiguous()    # positions first: each step one contiguous row
+            out[r0:r0 + step, 0] = fdiv(seq_sum0(sq), float(n))
     return out
 
 

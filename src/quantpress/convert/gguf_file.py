@@ -182,8 +182,10 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
 #: two slices kept two of 16 lanes busy). The 554M random llama's Q4_K_M without the round
 #: trip on 16 Xeon cores: 15.3-15.4 s one tensor at a time, 7.8-8.3 s with windows of 2^21,
 #: 2^22 or 2^23 elements per lane alike (2^25 to 2^27 elements there; 2 cores: 2^23), by the
-#: code that became scripts/bench_gguf.py --windows; 16 slices of 2^18: 2^22 per lane
-CPU_WINDOW_ROUNDS = 16
+#: code that became scripts/bench_gguf.py --windows; 16 slices of 2^18: 2^22 per lane. The
+#: same count as ``quantize.ggml.CPU_WEIGHTED_ROUNDS``, the slices per lane whose importance
+#: weights quantize_many expands at a time, so that a window's go to the codecs in one call
+CPU_WINDOW_ROUNDS = ggml.CPU_WEIGHTED_ROUNDS
 
 
 def _window_elements(device: torch.device) -> int:

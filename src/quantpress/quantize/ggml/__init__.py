@@ -107,7 +107,8 @@ def names() -> list[str]:
 
 
 #: on the CPU quantize_many() hands blocks with importance weights to the codec this many
-#: codec slices per lane at a time (the GGUF writer's windows hold as many), so that the
+#: codec slices per lane at a time (the GGUF writer's windows, ``convert.gguf_file.
+#: CPU_WINDOW_ROUNDS``, hold as many: it is this value), so that the
 #: weights, expanded to one float32 per weight for the codec, are made for that many blocks
 #: only (the 554M random llama's 75M-value output head would need 302 MB of them at once)
 CPU_WEIGHTED_ROUNDS = 16

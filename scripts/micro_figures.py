@@ -71,6 +71,11 @@ the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K 
 each (one thread, alternating, four runs each; the same bytes), and Q3_K with the descent's
 test on the gathered sub-blocks whose level changes against on whole rows.
 
+With ``--first-extremes`` only the legacy types' search for each block's extremes
+(``quantize.ggml.common.first_absmax`` along the last axis, ``legacy._first_min_max``) from
+plain amax/amin against torch's argmax/argmin on [8192, 32] (microseconds, best of five
+rounds of 50, one thread, heap bounded), then Q4_0, Q4_1, Q5_0 and Q5_1 of 2M values.
+
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
 against whole chunks, two runs each.
@@ -622,6 +627,42 @@ def numpy_searches() -> None:
              (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")),), "NumPy, whole rows", 20)
 
 
+def first_extremes() -> None:
+    """The legacy codecs' extremes per block of 32 on the CPU: ``common.first_absmax(x, 1)``
+    and ``legacy._first_min_max`` (amax/amin, argmax only for rows where those cannot tell
+    the element) against the argmax/argmin they replaced, on Gaussian [8192, 32] (a codec
+    slice) with ties and zeros of both signs mixed in: microseconds per call, best of five
+    rounds of 50, one thread, heap bounded, the results compared bit for bit; then Q4_0,
+    Q4_1, Q5_0 and Q5_1 of 2M values (one thread, best of four)."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import common, legacy
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 32, generator=g) * 0.02
+    x[::7, 3], x[::7, 5], x[::11], x[::13, 0] = 0.5, -0.5, 0.0, -0.0
+
+    def absmax_by_argmax(x):
+        ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))
+        idx = ax.argmax(1, keepdim=True)
+        amax = ax.gather(1, idx).squeeze(1)
+        return torch.where(amax > 0, x.gather(1, idx).squeeze(1), 0.0), amax
+
+    def min_max_by_argmin(x):
+        return x.gather(1, x.argmin(1, keepdim=True)), x.gather(1, x.argmax(1, keepdim=True))
+
+    for what, new, old in (("first_absmax", lambda: common.first_absmax(x, 1), lambda: absmax_by_argmax(x)),
+                           ("_first_min_max", lambda: legacy._first_min_max(x), lambda: min_max_by_argmin(x))):
+        same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(new(), old()))
+        t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
+        print(f"{what:15s} of [8192, 32]: amax/amin {t_new:6.1f} us, argmax {t_old:6.1f} us (same bits: {same})")
+    v = torch.randn(512, 4096, generator=g) * 0.02
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        print(f"{t} of 2M values: {best_ms(lambda t=t: ggml.quantize(v, t), n=4):6.1f} ms")
+
+
 def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:
     """Time each of ``codecs`` ((name, function returning the bytes tensor)) under each of
     ``ways`` (label -> the value ``use`` installs), alternating, ``rounds`` runs each; print
@@ -766,6 +807,8 @@ def main() -> int:
                          "NumPy's operations against torch's")
     ap.add_argument("--seq-sum", action="store_true",
                     help="only the codecs' sequential sums: numpy's reduce against torch adds")
+    ap.add_argument("--first-extremes", action="store_true",
+                    help="only the legacy codecs' block extremes: amax/amin against argmax/argmin")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
@@ -804,6 +847,9 @@ def main() -> int:
         return 0
     if args.numpy_searches:
         numpy_searches()
+        return 0
+    if args.first_extremes:
+        first_extremes()
         return 0
     if args.round_trip:
         round_trip(args.round_trip)

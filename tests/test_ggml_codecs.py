@@ -7,6 +7,7 @@ Nothing is hard-coded: every expectation is computed by the reference on the sam
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -386,6 +387,55 @@ def test_first_absmax_ties_and_zero_sign():
         m, a = common.first_absmax(xx, dim)
         assert m.tolist() == [0.5, 0.0, -2.0] and a.tolist() == [0.5, 0.0, 2.0]
         assert not torch.signbit(m[1])
+
+
+def _scan_rows() -> torch.Tensor:
+    """Rows of 32 that make the extremes' shortcuts fall back: ties of +a and -a in either
+    order, zeros of both signs (alone and beside others), NaN, +-inf, all-zero, all-NaN."""
+    r = torch.Generator().manual_seed(11)
+    x = (torch.randn(600, 32, generator=r) * 0.02).round(decimals=2)    # many ties
+    x[0::9, 4], x[0::9, 20] = 0.5, -0.5
+    x[1::9, 4], x[1::9, 20] = -0.5, 0.5
+    x[2::9] = x[2::9].abs()
+    x[2::9, 7], x[2::9, 3] = 0.0, -0.0
+    x[3::9] = -x[3::9].abs()
+    x[3::9, 1], x[3::9, 2] = -0.0, 0.0
+    x[4::9, 5] = float("nan")
+    x[5::9, 9], x[5::9, 30] = float("inf"), -float("inf")
+    x[6::9] = -0.0
+    x[7::9, 0::2] = 0.0
+    x[8::9] = float("nan")
+    return x
+
+
+def test_block_extremes_are_c_scans():
+    """The legacy codecs' extremes from amax/amin (argmax only where they cannot tell the
+    element) are C's scans: first_absmax along the last axis is ``if (|x| > amax)`` from 0
+    (NaN never taken); _first_min_max is ``if (v < min) / if (v > max)`` from +-FLT_MAX on
+    rows without NaN (non-finite weights are refused before the codecs), signs of zero kept."""
+    from quantpress.quantize.ggml import legacy
+
+    x = _scan_rows()
+    m, a = common.first_absmax(x, 1)
+    mn, mx = legacy._first_min_max(x)
+    for i, row in enumerate(x.tolist()):
+        amax, best = 0.0, 0.0
+        for v in row:
+            if abs(v) > amax:
+                amax, best = abs(v), v
+        assert a[i].item() == amax and m[i].item() == best
+        assert math.copysign(1, m[i].item()) == math.copysign(1, best), (i, row)
+        if any(v != v for v in row):
+            continue
+        lo, hi = 3.4028234663852886e38, -3.4028234663852886e38
+        for v in row:
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        assert (mn[i, 0].item(), mx[i, 0].item()) == (lo, hi), (i, row)
+        assert math.copysign(1, mn[i, 0].item()) == math.copysign(1, lo)
+        assert math.copysign(1, mx[i, 0].item()) == math.copysign(1, hi)
 
 
 def _sqrtf_inputs() -> torch.Tensor:

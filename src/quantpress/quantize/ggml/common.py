@@ -179,9 +179,27 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
 
     ``x`` float32; returns (max with its sign, amax), ``dim`` removed. torch.argmax returns
     the first maximal index (NaN counts as maximal there, so it is masked to 0 first).
+
+    On the CPU, along the last axis of a matrix (the legacy types' blocks of 32), torch's
+    argmax costs ~65 ns per row: there the element is found from the row's largest and
+    smallest value instead (plain reductions, a few ns per row): it is amax if the largest
+    equals amax, -amax if the smallest equals -amax; rows where both or neither hold (+a and
+    -a both present, or a NaN) go through argmax. [8192, 32] with ties and zero rows mixed
+    in: 0.37 ms against 0.64 (``scripts/micro_figures.py --first-extremes``).
     """
     ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))     # (much faster than where(isnan))
     n = x.shape[dim]
+    if x.device.type == "cpu" and x.dim() == 2 and dim in (-1, 1):
+        amax = ax.amax(1)
+        pos = x.amax(1) == amax
+        neg = x.amin(1) == -amax
+        m = torch.where(pos, amax, -amax)
+        odd = (pos == neg) & (amax > 0)
+        if bool(odd.any()):
+            rows = odd.nonzero().squeeze(1)
+            idx = ax.index_select(0, rows).argmax(1, keepdim=True)
+            m[rows] = x.index_select(0, rows).gather(1, idx).squeeze(1)
+        return torch.where(amax > 0, m, 0.0), amax
     if dim in (-1, x.dim() - 1) or n > 255:
         idx = ax.argmax(dim, keepdim=True)
     else:

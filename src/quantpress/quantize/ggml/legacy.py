@@ -45,8 +45,7 @@ def _first_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The extremes' values are ``amin``/``amax``'s (plain reductions); only where one is a zero
     (whose sign is the first zero's) or not finite is the element itself taken, by
     argmin/argmax (~65 ns per row on the CPU): [8192, 32] with ties and zero rows mixed in
-    0.26 ms against 1.11; Q4_1 of 2M values 5.7 ms against 14.5 (``scripts/micro_figures.py
-    --first-extremes``, one thread)."""
+    0.26 ms against 1.11 (``scripts/micro_figures.py --first-extremes``, one thread)."""
     mn, mx = x.amin(1), x.amax(1)
     odd = ~(torch.isfinite(mn) & torch.isfinite(mx)) | (mn == 0) | (mx == 0)
     if bool(odd.any()):

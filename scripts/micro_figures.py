@@ -573,7 +573,7 @@ def numpy_searches() -> None:
     Q2_K, Q4_K and Q5_K of 512 x 4,096 values with an importance vector and Q3_K and Q4_K
     without (one thread, alternating, four runs each, the bytes compared)."""
     from quantpress.quantize import ggml
-    from quantpress.quantize.ggml import kquants
+    from quantpress.quantize.ggml import common, kquants
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -596,7 +596,8 @@ def numpy_searches() -> None:
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
     for way, flag in ways.items():
         use(flag)
-        ms = best_ms(lambda: [kquants.make_qp_quants(x, w, 63) for _ in range(20)], n=3) / 20
+        with common.quiet_floats():         # (as the codecs' slices run)
+            ms = best_ms(lambda: [kquants.make_qp_quants(x, w, 63) for _ in range(20)], n=3) / 20
         print(f"make_qp_quants of [8, 2048], {way:6s} {ms:6.2f} ms")
     use(True)
     # how many of a Q3_K slice's sub-blocks each descent pass works on (Gaussian values)
@@ -609,7 +610,8 @@ def numpy_searches() -> None:
             return np.zeros_like(a, dtype=bool)
     real, kquants._NumpyOps = kquants._NumpyOps, Counting
     try:
-        kquants.quantize_q3_k.__wrapped__(torch.randn(1024, 256, generator=g) * 0.02)
+        with common.quiet_floats():
+            kquants.quantize_q3_k.__wrapped__(torch.randn(1024, 256, generator=g) * 0.02)
     finally:
         kquants._NumpyOps = real
     print("Q3_K descent passes on 2^18 values work on", ", ".join(map(str, sizes)), "sub-blocks")

@@ -28,7 +28,6 @@ TYPES = LEGACY + KQUANTS
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
-
 # ----------------------------------------------------------------------------- inputs
 
 def _fp16_rows() -> np.ndarray:

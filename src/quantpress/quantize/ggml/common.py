@@ -397,7 +397,8 @@ def quiet_floats():
     reproduce C's float arithmetic, which overflows silently on extreme weights (a sum of
     squares of 1e30 values is Inf there too), so a NumPy operation in them must not print a
     RuntimeWarning for it. :func:`map_block_slices` runs every CPU slice in it, in whichever
-    thread or codec process, and ``quantize.ggml.row_sigma2`` its row sums."""
+    thread or codec process, and ``quantize.ggml.row_sigma2`` its row sums: the searches'
+    NumPy operations (``kquants._NumpyOps``), which divide by zero as C does, rely on it."""
     return np.errstate(all="ignore")
 
 

@@ -264,7 +264,11 @@ class _TorchOps:
     #: (a host synchronization per position: not on an accelerator)
     GATHERS = False
     nearest_int = staticmethod(nearest_int)
-    div = staticmethod(fdiv)
+
+    @staticmethod
+    def div(a, b, out=None):
+        """C's ``a / b`` (one rounding; ``a`` may be a Python float: :func:`fdiv`), into ``out``."""
+        return fdiv(a, b) if out is None else torch.div(a, b, out=out)
     seq_sum = staticmethod(seq_sum0)
     clip = staticmethod(torch.clamp)
 
@@ -291,7 +295,6 @@ class _TorchOps:
     greater = staticmethod(torch.gt)
     less = staticmethod(torch.lt)
     logical_and = staticmethod(torch.logical_and)
-    divide = staticmethod(torch.div)
 
     @staticmethod
     def put(dst, mask, src) -> None:
@@ -343,7 +346,6 @@ class _NumpyOps:
     greater = staticmethod(np.greater)
     less = staticmethod(np.less)
     logical_and = staticmethod(np.logical_and)
-    divide = staticmethod(np.divide)
 
     @staticmethod
     def put(dst, mask, src) -> None:
@@ -384,9 +386,8 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     del p
 
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
-        with np.errstate(all="ignore"):     # (C divides by zero silently too)
-            sums = _q3_descent(_NumpyOps, x.numpy(), w.numpy(), wx.numpy(), L.numpy(),
-                               sumlx.numpy(), suml2.numpy(), (~zero).numpy(), nmax)
+        sums = _q3_descent(_NumpyOps, x.numpy(), w.numpy(), wx.numpy(), L.numpy(),
+                           sumlx.numpy(), suml2.numpy(), (~zero).numpy(), nmax)
         sumlx, suml2 = (torch.from_numpy(v) for v in sums)
     else:
         sumlx, suml2 = _q3_descent(_TorchOps, x, w, wx, L, sumlx, suml2, ~zero, nmax)
@@ -599,31 +600,30 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     (pos_, take_, lt_, this_min_, this_scale_, alt_, sum_xl_, sum_l2_, fit_d_, cur_,
      best_) = map(sm.view, (pos, take, lt, this_min, this_scale, alt, sum_xl, sum_l2, fit_d, cur, best))
-    with np.errstate(divide="ignore", invalid="ignore"):     # (NumPy's ops on the CPU: C is silent too)
-        for k in range(nstep + 1):
-            # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
-            num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
-            torch.sub(mx, mn, out=den)
-            iscale.fill_(num).div_(den)         # num / (max - min)
-            mn_used.copy_(mn)
-            quant(iscale, mn, la)
-            torch.mul(w, la, out=p_l)           # w*l
-            torch.mul(p_l, la, out=p_l2)        # (w*l)*l
-            torch.mul(p_l, x, out=p_xl)         # (w*l)*x
-            seq_sum0(p, sums)                   # sum_l2, sum_l, sum_xl
-            torch.mul(l2_xl, sum_w, out=q_w)    # sum_w*sum_l2, sum_w*sum_xl
-            torch.mul(l2_l, sum_x, out=q_x)     # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
-            torch.mul(l_xl, sum_l, out=q_l)     # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
-            torch.sub(q_a, q_b, out=R)          # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
-            torch.div(fit_num, fit_d, out=fit)  # this_scale, this_min
-            sm.greater(this_min_, 0, out=pos_)
-            sm.put(this_min_, pos_, 0.0)
-            sm.divide(sum_xl_, sum_l2_, out=alt_)   # sum_xl / sum_l2
-            sm.put(this_scale_, pos_, alt_)
-            error(this_scale, this_min, la, cur)
-            sm.greater(fit_d_, 0, out=take_)
-            sm.logical_and(take_, sm.less(cur_, best_, out=lt_), out=take_)
-            keep(take)
+    for k in range(nstep + 1):
+        # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
+        num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
+        torch.sub(mx, mn, out=den)
+        iscale.fill_(num).div_(den)         # num / (max - min)
+        mn_used.copy_(mn)
+        quant(iscale, mn, la)
+        torch.mul(w, la, out=p_l)           # w*l
+        torch.mul(p_l, la, out=p_l2)        # (w*l)*l
+        torch.mul(p_l, x, out=p_xl)         # (w*l)*x
+        seq_sum0(p, sums)                   # sum_l2, sum_l, sum_xl
+        torch.mul(l2_xl, sum_w, out=q_w)    # sum_w*sum_l2, sum_w*sum_xl
+        torch.mul(l2_l, sum_x, out=q_x)     # sum_l2*sum_x, sum_x*sum_l (rows 2, 4)
+        torch.mul(l_xl, sum_l, out=q_l)     # sum_l*sum_l, sum_l*sum_xl (rows 3, 5)
+        torch.sub(q_a, q_b, out=R)          # D, sum_w*sum_xl - sum_x*sum_l, sum_l2*sum_x - sum_l*sum_xl
+        torch.div(fit_num, fit_d, out=fit)  # this_scale, this_min
+        sm.greater(this_min_, 0, out=pos_)
+        sm.put(this_min_, pos_, 0.0)
+        sm.div(sum_xl_, sum_l2_, out=alt_)  # sum_xl / sum_l2
+        sm.put(this_scale_, pos_, alt_)
+        error(this_scale, this_min, la, cur)
+        sm.greater(fit_d_, 0, out=take_)
+        sm.logical_and(take_, sm.less(cur_, best_, out=lt_), out=take_)
+        keep(take)
     L = quant(sel_iscale, sel_shift, la)
     scale = torch.where(degenerate, 0.0, scale)
     the_min = -torch.where(degenerate, mn0, mn)
@@ -651,8 +651,7 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     torch. Both run :func:`_qp_search`, the same operations in the same order.
     """
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
-        with np.errstate(all="ignore"):     # (C divides by zero and overflows silently too)
-            scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
+        scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
         return torch.from_numpy(scale), torch.from_numpy(L)
     return _qp_search(_TorchOps, x, w, nmax)
 

@@ -64,17 +64,23 @@ numpy's axis-0 reduce against a loop of torch adds on the K-quant searches' shap
 
 With ``--numpy-searches`` only the searches written for NumPy and torch alike
 (``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search,
-``make_q3_quants``' coordinate descent and ``make_qkx2_quants``' acceptance test) with NumPy's
-operations (the CPU's) against torch's (other devices'): microseconds of one product,
+``make_q3_quants``' coordinate descent, ``make_qkx2_quants``' and ``make_qx_quants``' acceptance
+tests) with NumPy's operations (the CPU's) against torch's (other devices'): microseconds of one product,
 comparison, masked write and select (``where``) on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
-the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K and Q4_K without, 2M values
+the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K, Q4_K and Q6_K without, 2M values
 each (one thread, alternating, four runs each; the same bytes), and Q3_K with the descent's
 test on the gathered sub-blocks whose level changes against on whole rows.
 
 With ``--first-extremes`` only the legacy types' search for each block's extremes
 (``quantize.ggml.common.first_absmax`` along the last axis, ``legacy._first_min_max``) from
 plain amax/amin against torch's argmax/argmin on [8192, 32] (microseconds, best of five
-rounds of 50, one thread, heap bounded), then Q4_0, Q4_1, Q5_0 and Q5_1 of 2M values.
+rounds of 50, one thread, heap bounded), and ``first_absmax`` along the first axis of [16, 16384]
+(the K-quants' sub-blocks) against the weighted-position search, then Q4_0, Q4_1, Q5_0, Q5_1,
+Q6_K and Q3_K of 2M values.
+
+With ``--levels`` only the K-quants' levels back to bytes: float32 to uint8 through int32
+against directly, ``kquants._levels_blocks_first`` against its direct conversion, then Q6_K of
+2M values.
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
@@ -568,10 +574,10 @@ def state_select() -> None:
 def numpy_searches() -> None:
     """The searches written for NumPy and torch alike (``kquants.make_qp_quants``, the
     weighted scale and min search of Q2_K, Q4_K, Q5_K, ``make_q3_quants``' descent and
-    ``make_qkx2_quants``' acceptance test) with NumPy's operations against torch's: one
-    make_qp_quants call on [8, 2048] (a Q4_K codec slice's scales and mins, best of 20), then
-    Q2_K, Q4_K and Q5_K of 512 x 4,096 values with an importance vector and Q3_K and Q4_K
-    without (one thread, alternating, four runs each, the bytes compared)."""
+    ``make_qkx2_quants``' and ``make_qx_quants``' acceptance tests) with NumPy's operations
+    against torch's: one make_qp_quants call on [8, 2048] (a Q4_K codec slice's scales and
+    mins, best of 20), then Q2_K, Q4_K and Q5_K of 512 x 4,096 values with an importance
+    vector and Q3_K, Q4_K and Q6_K without (one thread, alternating, four runs each, the bytes compared)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common, kquants
 
@@ -618,7 +624,7 @@ def numpy_searches() -> None:
     v = torch.randn(512, 4096, generator=g) * 0.02
     imatrix = torch.rand(4096, generator=g) ** 2 * 10
     codecs = tuple((t, lambda t=t: ggml.quantize(v, t, imatrix)) for t in ("Q2_K", "Q4_K", "Q5_K"))
-    codecs += tuple((t + " -", lambda t=t: ggml.quantize(v, t)) for t in ("Q3_K", "Q4_K"))
+    codecs += tuple((t + " -", lambda t=t: ggml.quantize(v, t)) for t in ("Q3_K", "Q4_K", "Q6_K"))
     codec_ab(ways, use, codecs, "torch", 6)
     # Q3_K's descent with its test on the gathered sub-blocks whose level changes against
     # the test on whole rows (NumPy's select, as torch's path does)
@@ -630,12 +636,14 @@ def numpy_searches() -> None:
 
 
 def first_extremes() -> None:
-    """The legacy codecs' extremes per block of 32 on the CPU: ``common.first_absmax(x, 1)``
-    and ``legacy._first_min_max`` (amax/amin, argmax only for rows where those cannot tell
-    the element) against the argmax/argmin they replaced, on Gaussian [8192, 32] (a codec
-    slice) with ties and zeros of both signs mixed in: microseconds per call, best of five
-    rounds of 50, one thread, heap bounded, the results compared bit for bit; then Q4_0,
-    Q4_1, Q5_0 and Q5_1 of 2M values (one thread, best of four)."""
+    """The codecs' extremes on the CPU: ``common.first_absmax(x, 1)`` and
+    ``legacy._first_min_max`` (amax/amin, argmax only for rows where those cannot tell the
+    element) against the argmax/argmin they replaced, on Gaussian [8192, 32] (a legacy codec
+    slice) with ties and zeros of both signs mixed in, and ``first_absmax(xs, 0)`` on [16,
+    16384] (a Q6_K slice, positions first) against the weighted-position search
+    (``common._first_absmax_by_argmax``): microseconds per call, best of five rounds of 50,
+    one thread, heap bounded, the results compared bit for bit; then Q4_0, Q4_1, Q5_0, Q5_1,
+    Q6_K and Q3_K of 2M values (one thread, best of four)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common, legacy
     from quantpress.runtime import bound_heap
@@ -655,14 +663,45 @@ def first_extremes() -> None:
     def min_max_by_argmin(x):
         return x.gather(1, x.argmin(1, keepdim=True)), x.gather(1, x.argmax(1, keepdim=True))
 
-    for what, new, old in (("first_absmax", lambda: common.first_absmax(x, 1), lambda: absmax_by_argmax(x)),
-                           ("_first_min_max", lambda: legacy._first_min_max(x), lambda: min_max_by_argmin(x))):
+    xs = torch.randn(16, 16384, generator=g) * 0.02     # a Q6_K slice's sub-blocks, positions first
+    xs[3, ::7], xs[5, ::7], xs[:, ::11], xs[0, ::13] = 0.5, -0.5, 0.0, -0.0
+    for what, shape, new, old in (
+            ("first_absmax", "[8192, 32]", lambda: common.first_absmax(x, 1), lambda: absmax_by_argmax(x)),
+            ("_first_min_max", "[8192, 32]", lambda: legacy._first_min_max(x), lambda: min_max_by_argmin(x)),
+            ("first_absmax", "[16, 16384] dim 0", lambda: common.first_absmax(xs, 0),
+             lambda: common._first_absmax_by_argmax(xs, 0))):
         same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(new(), old()))
         t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
-        print(f"{what:15s} of [8192, 32]: amax/amin {t_new:6.1f} us, argmax {t_old:6.1f} us (same bits: {same})")
+        print(f"{what:15s} of {shape}: amax/amin {t_new:6.1f} us, argmax {t_old:6.1f} us (same bits: {same})")
     v = torch.randn(512, 4096, generator=g) * 0.02
-    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q3_K"):
         print(f"{t} of 2M values: {best_ms(lambda t=t: ggml.quantize(v, t), n=4):6.1f} ms")
+
+
+def levels_bytes() -> None:
+    """The K-quants' levels back to bytes on the CPU: float32 [16, 16384] levels (0..63, a
+    Q6_K slice positions first) to uint8 directly and through int32, and
+    ``kquants._levels_blocks_first`` (the transpose to block order, then the bytes) against
+    its former direct conversion: microseconds, best of five rounds of 50, one thread, heap
+    bounded; then Q6_K of 2M values."""
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import kquants
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    L = torch.randint(0, 64, (16, 16384), generator=g).to(torch.float32)
+    nb = 16384 // 16
+    for what, new, old in (
+            ("float32 -> uint8", lambda: L.to(torch.int32).to(torch.uint8), lambda: L.to(torch.uint8)),
+            ("_levels_blocks_first", lambda: kquants._levels_blocks_first(L, nb),
+             lambda: L.t().contiguous().reshape(nb, 256).to(torch.uint8))):
+        same = torch.equal(new(), old())
+        t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
+        print(f"{what:22s} of [16, 16384]: through int32 {t_new:6.1f} us, directly {t_old:6.1f} us (same: {same})")
+    v = torch.randn(512, 4096, generator=g) * 0.02
+    print(f"Q6_K of 2M values: {best_ms(lambda: ggml.quantize(v, 'Q6_K'), n=4):6.1f} ms")
 
 
 def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:
@@ -811,6 +850,8 @@ def main() -> int:
                     help="only the codecs' sequential sums: numpy's reduce against torch adds")
     ap.add_argument("--first-extremes", action="store_true",
                     help="only the legacy codecs' block extremes: amax/amin against argmax/argmin")
+    ap.add_argument("--levels", action="store_true",
+                    help="only the K-quants' levels to bytes: through int32 against directly")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
@@ -852,6 +893,9 @@ def main() -> int:
         return 0
     if args.first_extremes:
         first_extremes()
+        return 0
+    if args.levels:
+        levels_bytes()
         return 0
     if args.round_trip:
         round_trip(args.round_trip)

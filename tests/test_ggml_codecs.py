@@ -136,10 +136,10 @@ def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
     assert np.array_equal(_ours(x, name), ggml_ref.ref_quantize(x, name))
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_numpy_searches_torch_ops(inputs, name, monkeypatch):
     """The searches that run NumPy's operations on the CPU (make_q3_quants' coordinate
-    descent, make_qkx2_quants' acceptance test) give llama.cpp's bytes with torch's
+    descent, make_qkx2_quants' and make_qx_quants' acceptance tests) give llama.cpp's bytes with torch's
     operations too, which other devices run."""
     monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
     x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64],
@@ -390,7 +390,7 @@ def test_first_absmax_ties_and_zero_sign():
 
 def _scan_rows() -> torch.Tensor:
     """Rows of 32 that make the extremes' shortcuts fall back: ties of +a and -a in either
-    order, zeros of both signs (alone and beside others), NaN, +-inf, all-zero, all-NaN."""
+    order, zeros of both signs (alone and beside others), NaN, +-inf, all +0, all -0, all-NaN."""
     r = torch.Generator().manual_seed(11)
     x = (torch.randn(600, 32, generator=r) * 0.02).round(decimals=2)    # many ties
     x[0::9, 4], x[0::9, 20] = 0.5, -0.5
@@ -402,6 +402,7 @@ def _scan_rows() -> torch.Tensor:
     x[4::9, 5] = float("nan")
     x[5::9, 9], x[5::9, 30] = float("inf"), -float("inf")
     x[6::9] = -0.0
+    x[15::18] = 0.0
     x[7::9, 0::2] = 0.0
     x[8::9] = float("nan")
     return x
@@ -411,19 +412,27 @@ def test_block_extremes_are_c_scans():
     """The legacy codecs' extremes from amax/amin (argmax only where they cannot tell the
     element) are C's scans: first_absmax along the last axis is ``if (|x| > amax)`` from 0
     (NaN never taken); _first_min_max is ``if (v < min) / if (v > max)`` from +-FLT_MAX on
-    rows without NaN (non-finite weights are refused before the codecs), signs of zero kept."""
+    rows without NaN (non-finite weights are refused before the codecs), signs of zero kept.
+    first_absmax along the first axis (the K- and i-quants' positions-first sub-blocks) gives
+    the same on the transposed rows."""
     from quantpress.quantize.ggml import legacy
 
     x = _scan_rows()
     m, a = common.first_absmax(x, 1)
+    m0, a0 = common.first_absmax(x.t().contiguous(), 0)
+    mt, at = common._first_absmax_by_argmax(x, 1)                   # the path off the CPU
+    mt0, at0 = common._first_absmax_by_argmax(x.t().contiguous(), 0)
     mn, mx = legacy._first_min_max(x)
+    mnt, mxt = legacy._first_min_max_torch(x, x.amin(1), x.amax(1))
     for i, row in enumerate(x.tolist()):
         amax, best = 0.0, 0.0
         for v in row:
             if abs(v) > amax:
                 amax, best = abs(v), v
-        assert a[i].item() == amax and m[i].item() == best
-        assert math.copysign(1, m[i].item()) == math.copysign(1, best), (i, row)
+        for got, got_a in ((m, a), (m0, a0), (mt, at), (mt0, at0)):
+            assert got_a[i].item() == amax and got[i].item() == best
+            assert math.copysign(1, got[i].item()) == math.copysign(1, best), (i, row)
+            assert math.copysign(1, got_a[i].item()) == 1.0, (i, row)
         if any(v != v for v in row):
             continue
         lo, hi = 3.4028234663852886e38, -3.4028234663852886e38
@@ -432,9 +441,10 @@ def test_block_extremes_are_c_scans():
                 lo = v
             if v > hi:
                 hi = v
-        assert (mn[i, 0].item(), mx[i, 0].item()) == (lo, hi), (i, row)
-        assert math.copysign(1, mn[i, 0].item()) == math.copysign(1, lo)
-        assert math.copysign(1, mx[i, 0].item()) == math.copysign(1, hi)
+        for a_lo, a_hi in ((mn, mx), (mnt, mxt)):
+            assert (a_lo[i, 0].item(), a_hi[i, 0].item()) == (lo, hi), (i, row)
+            assert math.copysign(1, a_lo[i, 0].item()) == math.copysign(1, lo)
+            assert math.copysign(1, a_hi[i, 0].item()) == math.copysign(1, hi)
 
 
 def _sqrtf_inputs() -> torch.Tensor:

@@ -180,26 +180,47 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     ``x`` float32; returns (max with its sign, amax), ``dim`` removed. torch.argmax returns
     the first maximal index (NaN counts as maximal there, so it is masked to 0 first).
 
-    On the CPU, along the last axis of a matrix (the legacy types' blocks of 32), torch's
-    argmax costs ~65 ns per row: there the element is found from the row's largest and
-    smallest value instead (plain reductions, a few ns per row): it is amax if the largest
-    equals amax, -amax if the smallest equals -amax; rows where both or neither hold (+a and
-    -a both present, or a NaN) go through argmax. [8192, 32] with ties and zero rows mixed
-    in: 0.37 ms against 0.64 (``scripts/micro_figures.py --first-extremes``).
+    On the CPU, for a matrix (the legacy types' blocks of 32 along the last axis; the K- and
+    i-quants' sub-blocks of 16 or 32 positions along the first), torch's argmax costs ~65 ns
+    per row along the last axis and a comparison of every element with its maximum along the
+    first: there the element is found from plain reductions instead (the largest and smallest
+    value, a few ns per row): max|x| is the larger of max and -min, the element is +max|x| if
+    the largest equals it, -max|x| if the smallest equals its negative; rows where both or
+    neither hold (+a and -a both present, or a NaN, which the reductions propagate) are
+    scanned, gathered. The per-row logic is NumPy's (torch's comparisons to bool and
+    ``any()`` cost 8-13 us per 16k rows, NumPy's 1-2). [8192, 32] with ties and zero rows
+    mixed in: 0.22 ms against 0.63 by argmax; [16, 16384] along the first axis, a seventh of
+    the columns ties: 0.25 ms against 0.39 by the weighted positions
+    (``scripts/micro_figures.py --first-extremes``; one thread).
     """
+    if x.device.type == "cpu" and x.dim() == 2:
+        d = dim % 2
+        hi = x.amax(d).numpy()
+        nlo = x.amin(d).neg_().numpy()
+        amax = np.maximum(hi, nlo)          # NaN where the row holds one
+        amax += 0.0                         # +0, not -0, for a row of zeros
+        pos = hi == amax
+        m = np.negative(amax)
+        np.copyto(m, amax, where=pos)       # +amax, or -amax; +0 for a row of zeros
+        odd = pos == (nlo == amax)
+        odd &= amax != 0                    # a tie of +a and -a, or a NaN
+        if odd.any():                       # those rows scanned as C does, in NumPy
+            rows = np.flatnonzero(odd)
+            xn = x.numpy()
+            part = xn[:, rows].T if d == 0 else xn[rows]
+            ax = np.abs(part)
+            ax[np.isnan(ax)] = 0.0          # never selected
+            at = (np.arange(rows.size), ax.argmax(1))      # the first largest
+            amax[rows] = ax[at]
+            m[rows] = np.where(ax[at] > 0, part[at], 0.0)
+        return torch.from_numpy(m), torch.from_numpy(amax)
+    return _first_absmax_by_argmax(x, dim)
+
+
+def _first_absmax_by_argmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`first_absmax` through the first index of the largest |x| (NaN masked to 0)."""
     ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))     # (much faster than where(isnan))
     n = x.shape[dim]
-    if x.device.type == "cpu" and x.dim() == 2 and dim in (-1, 1):
-        amax = ax.amax(1)
-        pos = x.amax(1) == amax
-        neg = x.amin(1) == -amax
-        m = torch.where(pos, amax, -amax)
-        odd = (pos == neg) & (amax > 0)
-        if bool(odd.any()):
-            rows = odd.nonzero().squeeze(1)
-            idx = ax.index_select(0, rows).argmax(1, keepdim=True)
-            m[rows] = x.index_select(0, rows).gather(1, idx).squeeze(1)
-        return torch.where(amax > 0, m, 0.0), amax
     if dim in (-1, x.dim() - 1) or n > 255:
         idx = ax.argmax(dim, keepdim=True)
     else:

@@ -47,8 +47,11 @@ def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
 def _levels_blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
     """Inverse of :func:`_positions_first` for integer levels: float32
     [n, nb * (256 // n)] (0..255) -> uint8 [nb, 256] in block order. The transpose is done as a 2-D float32 copy, which torch
-    blocks for the cache (a permuted or uint8 copy is several times slower)."""
-    return L.t().contiguous().reshape(nb, QK_K).to(torch.uint8)
+    blocks for the cache (a permuted or uint8 copy is several times slower); the bytes come
+    through int32 (torch 2.13's float32 -> uint8 takes ~0.5 ns per value on the CPU, through
+    int32 a third of that: [16, 16384] 49 us against 139, ``scripts/micro_figures.py
+    --levels``)."""
+    return L.t().contiguous().reshape(nb, QK_K).to(torch.int32).to(torch.uint8)
 
 
 def _positive_max(s: torch.Tensor) -> torch.Tensor:
@@ -230,6 +233,13 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     torch.div(sumlx, suml2, out=scale)
     scale.masked_fill_(suml2 == 0, 0.0)
     torch.mul(scale, sumlx, out=best)
+    # the acceptance test on these [S] rows: NumPy's operations on the CPU, on views of the
+    # same memory (on an [8192] row torch's comparison takes 6.2 us, NumPy's 1.2; Q6_K of 2M
+    # values 62.9-67.4 ms against 65.9-72.8, ``scripts/micro_figures.py --numpy-searches``),
+    # torch's elsewhere
+    sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
+    sumlx_, suml2_, t2_, t3_, take_, pos_, this_scale_, this_best_, best_ = map(
+        sm.view, (sumlx, suml2, t2, t3, take, pos, this_scale, this_best, best))
     for step in range(-9, 10):
         if step == 0:
             continue
@@ -237,11 +247,11 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
         num = f32(nmax + f32(f32(0.1) * step))
         iscale.fill_(-num).div_(mx)
         sums(iscale)
-        torch.mul(sumlx, sumlx, out=t2)
-        torch.gt(t2, torch.mul(best, suml2, out=t3), out=take)
-        take &= torch.gt(suml2, 0, out=pos)
-        torch.div(sumlx, suml2, out=this_scale)
-        torch.mul(this_scale, sumlx, out=this_best)
+        sm.mul(sumlx_, sumlx_, out=t2_)
+        sm.greater(t2_, sm.mul(best_, suml2_, out=t3_), out=take_)
+        sm.logical_and(take_, sm.greater(suml2_, 0, out=pos_), out=take_)
+        sm.div(sumlx_, suml2_, out=this_scale_)
+        sm.mul(this_scale_, sumlx_, out=this_best_)
         keep(take)
     # L of the kept inverse scale (elementwise, so recomputing it gives the same values)
     la = torch.mul(x, sel)
@@ -256,8 +266,9 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
 
 class _TorchOps:
     """The array operations of the searches written for torch tensors and NumPy arrays alike
-    (:func:`make_qp_quants`, :func:`make_q3_quants`' coordinate descent, the acceptance test of
-    :func:`make_qkx2_quants`' steps), on torch tensors (any device)."""
+    (:func:`make_qp_quants`, :func:`make_q3_quants`' coordinate descent, the acceptance tests
+    of :func:`make_qkx2_quants`' and :func:`make_qx_quants`' steps), on torch tensors (any
+    device)."""
     where = staticmethod(torch.where)
     zeros_like = staticmethod(torch.zeros_like)
     #: the Q3_K descent's test goes on with the few changing sub-blocks' values gathered
@@ -292,6 +303,7 @@ class _TorchOps:
     def take_cols(a, idx):
         return a.index_select(1, idx)
 
+    mul = staticmethod(torch.mul)
     greater = staticmethod(torch.gt)
     less = staticmethod(torch.lt)
     logical_and = staticmethod(torch.logical_and)
@@ -343,6 +355,7 @@ class _NumpyOps:
     def take_cols(a, idx):
         return np.take(a, idx, axis=1)
 
+    mul = staticmethod(np.multiply)
     greater = staticmethod(np.greater)
     less = staticmethod(np.less)
     logical_and = staticmethod(np.logical_and)
@@ -1117,14 +1130,18 @@ def _q6_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
 
     dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
     L = _requant(xs, None, dj, -32, 31, L)
-    Lb = _levels_blocks_first(L, nb).reshape(nb, 2, 4, 32)
-    ql = torch.cat([(Lb[:, :, 0] & 0xF) | ((Lb[:, :, 2] & 0xF) << 4),
-                    (Lb[:, :, 1] & 0xF) | ((Lb[:, :, 3] & 0xF) << 4)], dim=2).reshape(nb, 128)
-    hi = Lb >> 4
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
-    out = torch.cat([(ql & 0xFF).to(torch.uint8), (qh & 0xFF).to(torch.uint8),
+    # the bit fields four levels at a time: each int32 lane holds four consecutive bytes
+    # (levels 0..63, so no field crosses into the next byte; little-endian views)
+    q = _levels_blocks_first(L, nb).view(torch.int32).reshape(nb, 2, 4, 8)
+    lo = q & 0x0F0F0F0F
+    ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)
+    hi = (q >> 4).bitwise_and_(0x03030303)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out = torch.cat([ql.reshape(nb, 32).view(torch.uint8), qh.reshape(nb, 16).view(torch.uint8),
                      (sc & 0xFF).to(torch.uint8), fp16_bytes(d)], dim=1)
-    return out.masked_fill_(zero, 0)
+    if bool(zero.any()):
+        out.masked_fill_(zero, 0)
+    return out
 
 
 @sliced

@@ -78,9 +78,9 @@ rounds of 50, one thread, heap bounded), and ``first_absmax`` along the first ax
 (the K-quants' sub-blocks) against the weighted-position search, then Q4_0, Q4_1, Q5_0, Q5_1,
 Q6_K and Q3_K of 2M values.
 
-With ``--levels`` only the K-quants' levels back to bytes: float32 to uint8 through int32
-against directly, ``kquants._levels_blocks_first`` against its direct conversion, then Q6_K of
-2M values.
+With ``--levels`` only the K-quants' requantization to level bytes (``kquants._requant_bytes``,
+block order) against positions first with a transpose back, float32 to uint8 through int32
+against directly, then Q4_K and Q6_K of 2M values.
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
@@ -679,11 +679,12 @@ def first_extremes() -> None:
 
 
 def levels_bytes() -> None:
-    """The K-quants' levels back to bytes on the CPU: float32 [16, 16384] levels (0..63, a
-    Q6_K slice positions first) to uint8 directly and through int32, and
-    ``kquants._levels_blocks_first`` (the transpose to block order, then the bytes) against
-    its former direct conversion: microseconds, best of five rounds of 50, one thread, heap
-    bounded; then Q6_K of 2M values."""
+    """The K-quants' requantization to level bytes on the CPU, a Q4_K slice (8,192 sub-blocks
+    of 32): ``kquants._requant_bytes`` (block order, bytes through int32) against the same
+    float ops and range check positions first followed by the transpose back to block order
+    and a direct float32 -> uint8 conversion (its form before), and that conversion alone against through
+    int32 on [16, 16384]: microseconds, best of five rounds of 50, one thread, heap bounded;
+    then Q4_K and Q6_K of 2M values."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import kquants
     from quantpress.runtime import bound_heap
@@ -691,17 +692,32 @@ def levels_bytes() -> None:
     bound_heap()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    L = torch.randint(0, 64, (16, 16384), generator=g).to(torch.float32)
-    nb = 16384 // 16
+    nb, S = 1024, 8192
+    x = torch.randn(nb, 256, generator=g) * 0.02
+    dj = torch.rand(1, S, generator=g) * 0.002 + 0.001
+    mj = torch.rand(1, S, generator=g) * 0.01
+    L = torch.zeros(32, S)
+
+    xs = x.reshape(-1, 32).t().contiguous()     # as the search has it
+
+    def positions_first():
+        e = torch.stack([xs.amin(0), xs.amax(0)])
+        e += mj
+        assert bool(e.div_(dj).abs_().amax() <= kquants._NI_SAFE)
+        t = xs + mj
+        t.div_(dj).round_().clamp_(0, 15)
+        return t.t().contiguous().reshape(nb, 256).to(torch.uint8)
+
+    Lf = torch.randint(0, 64, (16, 16384), generator=g).to(torch.float32)
     for what, new, old in (
-            ("float32 -> uint8", lambda: L.to(torch.int32).to(torch.uint8), lambda: L.to(torch.uint8)),
-            ("_levels_blocks_first", lambda: kquants._levels_blocks_first(L, nb),
-             lambda: L.t().contiguous().reshape(nb, 256).to(torch.uint8))):
+            ("requantization to bytes", lambda: kquants._requant_bytes(x, xs, mj, dj, 0, 15, L), positions_first),
+            ("float32 -> uint8", lambda: Lf.to(torch.int32).to(torch.uint8), lambda: Lf.to(torch.uint8))):
         same = torch.equal(new(), old())
         t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
-        print(f"{what:22s} of [16, 16384]: through int32 {t_new:6.1f} us, directly {t_old:6.1f} us (same: {same})")
+        print(f"{what:24s}: now {t_new:6.1f} us, before {t_old:6.1f} us (same: {same})")
     v = torch.randn(512, 4096, generator=g) * 0.02
-    print(f"Q6_K of 2M values: {best_ms(lambda: ggml.quantize(v, 'Q6_K'), n=4):6.1f} ms")
+    for t in ("Q4_K", "Q6_K"):
+        print(f"{t} of 2M values: {best_ms(lambda t=t: ggml.quantize(v, t), n=4):6.1f} ms")
 
 
 def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 4) -> None:
@@ -851,7 +867,8 @@ def main() -> int:
     ap.add_argument("--first-extremes", action="store_true",
                     help="only the legacy codecs' block extremes: amax/amin against argmax/argmin")
     ap.add_argument("--levels", action="store_true",
-                    help="only the K-quants' levels to bytes: through int32 against directly")
+                    help="only the K-quants' requantization to level bytes: block order against "
+                         "positions first, through int32 against directly")
     ap.add_argument("--round-trip", type=Path, nargs="?", metavar="MODEL",
                     const=Path.home() / ".cache/quantpress/models/SmolLM2-135M-Instruct",
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "

@@ -44,16 +44,6 @@ def _positions_first(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.reshape(-1, n).t().contiguous()
 
 
-def _levels_blocks_first(L: torch.Tensor, nb: int) -> torch.Tensor:
-    """Inverse of :func:`_positions_first` for integer levels: float32
-    [n, nb * (256 // n)] (0..255) -> uint8 [nb, 256] in block order. The transpose is done as a 2-D float32 copy, which torch
-    blocks for the cache (a permuted or uint8 copy is several times slower); the bytes come
-    through int32 (torch 2.13's float32 -> uint8 takes ~0.5 ns per value on the CPU, through
-    int32 a third of that: [16, 16384] 49 us against 139, ``scripts/micro_figures.py
-    --levels``)."""
-    return L.t().contiguous().reshape(nb, QK_K).to(torch.int32).to(torch.uint8)
-
-
 def _positive_max(s: torch.Tensor) -> torch.Tensor:
     """C ``max = 0; for j: if (s[j] > max) max = s[j];`` over the last axis: [..., k] -> [...]
     (+0.0 when nothing is > 0; NaN ignored)."""
@@ -142,29 +132,44 @@ def _round_clamp_(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return v.add_(_MAGIC).sub_(_MAGIC).clamp_(lo, hi)
 
 
-def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: int, hi: int,
-             L: torch.Tensor) -> torch.Tensor:
-    """Requantization with the stored scales: ``MAX(lo, MIN(hi, nearest_int((x + m_j)/d_j))) - lo``
-    (``x/d_j`` when ``mj`` is None) as float32 [n, S], and ``L`` kept in sub-blocks with
-    ``d_j == 0`` (C skips them). ``xs`` float32 [n, S]; ``mj``, ``dj`` float32 [1, S].
+def _requant_bytes(x: torch.Tensor, xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor,
+                   lo: int, hi: int, L: torch.Tensor) -> torch.Tensor:
+    """Requantization with the stored scales, in block order: ``MAX(lo, MIN(hi,
+    nearest_int((x + m_j)/d_j))) - lo`` (``x/d_j`` when ``mj`` is None) as uint8 [nb, 256],
+    and the search's levels ``L`` kept in sub-blocks with ``d_j == 0`` (C skips them).
+    ``x`` float32 [nb, 256] (the blocks as the codec got them) and ``xs``, the same values
+    positions first [n, S] (S = nb * 256 // n; their extremes per sub-block are quicker to
+    find there: along rows of 16, torch's amin and amax take ten times as long); ``mj``,
+    ``dj`` float32 [1, S] per sub-block; ``L`` float32 [n, S] positions first, integers
+    lo..hi shifted by -lo.
 
-    On CPU, (x + m_j)/d_j, rounded after each op, is monotonic in x, so when its values at
-    each sub-block's smallest and largest x are within ±4194303 (checked on the host) the
+    The elementwise ops are those of positions first, so the values are; in block order the
+    levels need no transpose back (a Q4_K slice's requantization to bytes 0.27 ms against
+    0.52 positions first, ``scripts/micro_figures.py --levels``), and the bytes come through
+    int32 (torch 2.13's float32 -> uint8 is three times slower on the CPU).
+
+    On the CPU, (x + m_j)/d_j, rounded after each op, is monotonic in x, so when its values
+    at each sub-block's smallest and largest x are within ±4194303 (checked on the host) the
     float rounding path (round half to even, exact there) is used; otherwise C's integer path.
     """
+    S = dj.shape[-1]
+    xb = x.reshape(S, -1)                       # [S, n]: a sub-block per row
     zero_dj = dj == 0
     any_zero = bool(zero_dj.any())
-    t = xs + mj if mj is not None else xs.clone()
     fast = False
-    if FAST_ROUNDING_ON_CPU and xs.device.type == "cpu":
+    if FAST_ROUNDING_ON_CPU and x.device.type == "cpu":
         e = torch.stack([xs.amin(0), xs.amax(0)])     # (aminmax over dim 0 is slow)
         if mj is not None:
             e += mj
         e.div_(dj).abs_()
         if any_zero:
             e.masked_fill_(zero_dj, 0.0)
-        fast = bool(e.amax() <= _NI_SAFE)           # NaN -> False
-    t.div_(dj)
+        fast = bool(e.amax() <= _NI_SAFE)       # NaN -> False
+    dc = dj.reshape(S, 1)
+    if mj is not None:
+        t = torch.add(xb, mj.reshape(S, 1)).div_(dc)
+    else:
+        t = torch.div(xb, dc)
     if fast:
         t.round_().clamp_(lo, hi)
     else:
@@ -172,8 +177,8 @@ def _requant(xs: torch.Tensor, mj: torch.Tensor | None, dj: torch.Tensor, lo: in
     if lo:
         t.sub_(lo)
     if any_zero:
-        t = torch.where(zero_dj, L, t)
-    return t
+        t = torch.where(zero_dj.reshape(S, 1), L.t(), t)
+    return t.to(torch.int32).to(torch.uint8).reshape(x.shape[0], QK_K)
 
 
 def make_qx_quants(x: torch.Tensor, nmax: int,
@@ -405,8 +410,10 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     else:
         sumlx, suml2 = _q3_descent(_TorchOps, x, w, wx, L, sumlx, suml2, ~zero, nmax)
     scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
-    scale.masked_fill_(zero, 0.0)
-    L.add_(nmax).masked_fill_(zero, 0.0)
+    L.add_(nmax)
+    if bool(zero.any()):                # (a broadcast masked_fill_ costs ~1 ns per value)
+        scale.masked_fill_(zero, 0.0)
+        L.masked_fill_(zero, 0.0)
     return scale, L
 
 
@@ -638,6 +645,8 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         sm.logical_and(take_, sm.less(cur_, best_, out=lt_), out=take_)
         keep(take)
     L = quant(sel_iscale, sel_shift, la)
+    if dead is None:                    # (a broadcast masked_fill_ costs ~1 ns per value)
+        return scale.clone(), mn.neg(), L
     scale = torch.where(degenerate, 0.0, scale)
     the_min = -torch.where(degenerate, mn0, mn)
     L.masked_fill_(degenerate, 0.0)
@@ -726,17 +735,16 @@ def _qp_search(xp, x, w, nmax: int):
 
 # ============================================================================ Q2_K
 
-def _q2_k_bytes(xs: torch.Tensor, L: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+def _q2_k_bytes(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
                 dmin: torch.Tensor) -> torch.Tensor:
     """Tail shared by the Q2_K quantizers: the scale bytes ``sc`` (int32 [nb, 16]: 4-bit
-    scale | 4-bit min << 4) and d/dmin (float32 [nb, 1]) give the requantization of ``xs``
-    (float32 [16, S] positions first; ``L`` float32 [16, S] kept where the scale is 0);
+    scale | 4-bit min << 4) and d/dmin (float32 [nb, 1]) give the requantization of ``x``
+    (float32 [nb, 256], ``xs`` the same [16, S] positions first; ``L`` float32 [16, S]
+    positions first, kept where the scale is 0);
     returns the block bytes uint8 [nb, 84]."""
-    nb = d.shape[0]
     dj = (fp16_round(d) * (sc & 0xF).to(torch.float32)).reshape(1, -1)
     mj = (fp16_round(dmin) * (sc >> 4).to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, mj, dj, 0, 3, L)
-    Lb = _levels_blocks_first(L, nb)
+    Lb = _requant_bytes(x, xs, mj, dj, 0, 3, L)
     return torch.cat([sc.to(torch.uint8), _pack_2bit(Lb), fp16_bytes(d), fp16_bytes(dmin)], dim=1)
 
 
@@ -763,7 +771,7 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     lm = torch.where(has_m, nearest_int(fdiv(15.0, max_min) * the_min), 0)
     dmin = torch.where(has_m, fdiv(max_min, 15.0), 0.0)
     sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j]
-    return _q2_k_bytes(xs, L, sc, d, dmin)
+    return _q2_k_bytes(x, xs, L, sc, d, dmin)
 
 
 @sliced(search=True)
@@ -784,7 +792,7 @@ def quantize_q2_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None =
     del w
     d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 15)
     sc = (ls | (lm << 4)) & 0xFF          # uint8 scales[j] = Ls[j] | (Lm[j] << 4)
-    return _q2_k_bytes(xs, L, sc, d.unsqueeze(1), dmin.unsqueeze(1))
+    return _q2_k_bytes(x, xs, L, sc, d.unsqueeze(1), dmin.unsqueeze(1))
 
 
 @sliced
@@ -803,10 +811,11 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q3_K
 
-def _q3_k_bytes(xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _q3_k_bytes(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Tail shared by the Q3_K quantizers: the 6-bit scales ``l`` (int32 [nb, 16], 0..63,
-    stored biased by 32) and d (float32 [nb, 1]) give the requantization of ``xs`` (float32
-    [16, S] positions first, ``L`` float32 [16, S] of 0..7 kept where the scale is 0);
+    stored biased by 32) and d (float32 [nb, 1]) give the requantization of ``x`` (float32
+    [nb, 256], ``xs`` the same [16, S] positions first; ``L`` float32 [16, S] of 0..7
+    positions first, kept where the scale is 0);
     returns the block bytes uint8 [nb, 110]."""
     nb = d.shape[0]
     lo = l & 0xF
@@ -816,13 +825,11 @@ def _q3_k_bytes(xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Ten
 
     # requantize: sc = stored 6-bit scale - 32
     dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, None, dj, -4, 3, L)
-
-    Lb = _levels_blocks_first(L, nb)
+    Lb = _requant_bytes(x, xs, None, dj, -4, 3, L)
     high = Lb > 3
     Lb = Lb & 3
     hb = high.to(torch.int32).reshape(nb, 8, 32)
-    shifts = torch.arange(8, device=xs.device, dtype=torch.int32).reshape(1, 8, 1)
+    shifts = torch.arange(8, device=x.device, dtype=torch.int32).reshape(1, 8, 1)
     hmask = (hb << shifts).sum(1, dtype=torch.int32)
     return torch.cat([hmask.to(torch.uint8), _pack_2bit(Lb), (scales & 0xFF).to(torch.uint8),
                       fp16_bytes(d)], dim=1)
@@ -848,7 +855,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     l = (to_int8(nearest_int(iscale * scale)).clamp_(-32, 31) + 32)
     l = torch.where(nz, l, 0)           # (all scales zero: stored 0, i.e. sc = -32)
     d = torch.where(nz, fdiv(1.0, iscale), 0.0)
-    return _q3_k_bytes(xs, L, l, d)
+    return _q3_k_bytes(x, xs, L, l, d)
 
 
 @sliced(search=True)
@@ -868,7 +875,7 @@ def quantize_q3_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None =
     scale, L = make_qx_quants(xs, 4, w)
     del w
     d, ls = make_qx_quants(_by_block(scale, nb), 32, sw)
-    return _q3_k_bytes(xs, L, ls.t().to(torch.int32), d.unsqueeze(1))
+    return _q3_k_bytes(x, xs, L, ls.t().to(torch.int32), d.unsqueeze(1))
 
 
 @sliced
@@ -893,23 +900,22 @@ def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q4_K / Q5_K
 
-def _k4_requant(xs: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+def _k4_requant(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
                 ls: torch.Tensor, lm: torch.Tensor, nmax: int,
                 read_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Tail shared by the Q4_K/Q5_K quantizers: pack the 6-bit scales/mins (int32 [nb, 8],
     the values C stores in uint8), requantize with fp16 d/dmin (float32 [nb, 1]) and the
     scales as ``get_scale_min_k4`` reads them back (``read_back``: values above 63, whose
-    bits overlap in the packing, are possible). Returns (head uint8 [nb, 16]: d, dmin,
-    scales[12]; L uint8 [nb, 256] of 0..nmax)."""
-    nb = d.shape[0]
+    bits overlap in the packing, are possible), ``x`` float32 [nb, 256] (``xs`` the same
+    [32, S] positions first, ``L`` the search's levels there). Returns (head uint8 [nb, 16]:
+    d, dmin, scales[12]; L uint8 [nb, 256] of 0..nmax)."""
     packed = _pack_scale_min_k4(ls, lm)
     if read_back:
         ls, lm = _unpack_scale_min_k4(packed)
     dj = (fp16_round(d) * ls.to(torch.float32)).reshape(1, -1)
     mj = (fp16_round(dmin) * lm.to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, mj, dj, 0, nmax, L)
     head = torch.cat([fp16_bytes(d), fp16_bytes(dmin), packed], dim=1)
-    return head, _levels_blocks_first(L, nb)
+    return head, _requant_bytes(x, xs, mj, dj, 0, nmax, L)
 
 
 def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
@@ -933,7 +939,7 @@ def _k4_scales(x: torch.Tensor, nmax: int, rmin: float, nstep: int):
     lm = (nearest_int(inv_min * the_min) & 0xFF).clamp_max_(63)
     d = fdiv(max_scale, 63.0)
     dmin = fdiv(max_min, 63.0)
-    return _k4_requant(xs, L, d, dmin, ls, lm, nmax)
+    return _k4_requant(x, xs, L, d, dmin, ls, lm, nmax)
 
 
 def _superblock_sigma2(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -986,7 +992,7 @@ def _k4_scales_weighted(x: torch.Tensor, qw: torch.Tensor, nmax: int):
     d, ls, dmin, lm = _qp_scales_and_mins(scale, the_min, sw, 63)
     if nmax == 31:                      # (Q5_K only: C's MIN(63, ls))
         ls, lm = ls.clamp_max(63), lm.clamp_max(63)
-    return _k4_requant(xs, L, d.unsqueeze(1), dmin.unsqueeze(1), ls, lm, nmax, read_back=True)
+    return _k4_requant(x, xs, L, d.unsqueeze(1), dmin.unsqueeze(1), ls, lm, nmax, read_back=True)
 
 
 def _q4_k_bytes(head: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
@@ -1129,10 +1135,9 @@ def _q6_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     sc = to_int8(nearest_int(iscale * scale).clamp_max_(127))
 
     dj = (fp16_round(d) * sc.to(torch.float32)).reshape(1, -1)
-    L = _requant(xs, None, dj, -32, 31, L)
     # the bit fields four levels at a time: each int32 lane holds four consecutive bytes
     # (levels 0..63, so no field crosses into the next byte; little-endian views)
-    q = _levels_blocks_first(L, nb).view(torch.int32).reshape(nb, 2, 4, 8)
+    q = _requant_bytes(x, xs, None, dj, -32, 31, L).view(torch.int32).reshape(nb, 2, 4, 8)
     lo = q & 0x0F0F0F0F
     ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=2)
     hi = (q >> 4).bitwise_and_(0x03030303)

@@ -139,8 +139,8 @@ def test_qkx2_integer_rounding_path(inputs, name, monkeypatch):
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_numpy_searches_torch_ops(inputs, name, monkeypatch):
     """The searches that run NumPy's operations on the CPU (make_q3_quants' coordinate
-    descent, make_qkx2_quants' and make_qx_quants' acceptance tests) give llama.cpp's bytes with torch's
-    operations too, which other devices run."""
+    descent, make_qkx2_quants' and make_qx_quants' acceptance tests) give llama.cpp's bytes
+    with torch's operations too, which other devices run."""
     monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
     x = np.concatenate([inputs["edge_rows"], inputs["fp16_rows"][:4].reshape(-1, 256)[:64],
                         inputs["fuzz_rows"][:16].reshape(-1, 256)])

@@ -143,8 +143,8 @@ def _requant_bytes(x: torch.Tensor, xs: torch.Tensor, mj: torch.Tensor | None, d
     ``dj`` float32 [1, S] per sub-block; ``L`` float32 [n, S] positions first, integers
     lo..hi shifted by -lo.
 
-    The elementwise ops are those of positions first, so the values are; in block order the
-    levels need no transpose back (a Q4_K slice's requantization to bytes 0.27 ms against
+    Elementwise ops, so the values do not depend on the layout; in block order the levels
+    need no transpose back (a Q4_K slice's requantization to bytes 0.27 ms against
     0.52 positions first, ``scripts/micro_figures.py --levels``), and the bytes come through
     int32 (torch 2.13's float32 -> uint8 is three times slower on the CPU).
 

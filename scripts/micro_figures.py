@@ -66,7 +66,7 @@ With ``--numpy-searches`` only the searches written for NumPy and torch alike
 (``quantize.ggml.kquants.make_qp_quants``, the weighted K-quants' scale and min search,
 ``make_q3_quants``' coordinate descent, ``make_qkx2_quants``' and ``make_qx_quants``' acceptance
 tests) with NumPy's operations (the CPU's) against torch's (other devices'): microseconds of one product,
-comparison, masked write and select (``where``) on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
+comparison, masked write, select (``where``) and ``any()`` on [8192] rows, milliseconds per make_qp_quants call on [8, 2048],
 the sub-blocks each of Q3_K's descent passes works on, then Q2_K, Q4_K and Q5_K with an imatrix and Q3_K, Q4_K and Q6_K without, 2M values
 each (one thread, alternating, four runs each; the same bytes), and Q3_K with the descent's
 test on the gathered sub-blocks whose level changes against on whole rows.
@@ -80,7 +80,8 @@ Q6_K and Q3_K of 2M values.
 
 With ``--levels`` only the K-quants' requantization to level bytes (``kquants._requant_bytes``,
 block order) against positions first with a transpose back, float32 to uint8 through int32
-against directly, then Q4_K and Q6_K of 2M values.
+against directly, sub-blocks' extremes along rows of 16 against along the first axis, a
+broadcast masked_fill_ of a slice's levels, then Q4_K and Q6_K of 2M values.
 
 With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_roundtrip.verify_gguf``)
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
@@ -589,14 +590,16 @@ def numpy_searches() -> None:
 
     def use(flag: bool) -> None:
         kquants.NUMPY_SEARCHES_ON_CPU = flag
-    # one operation on a search step's [8192] rows: a product, a comparison, a masked write, a select
+    # one operation on a search step's [8192] rows: a product, a comparison, a masked write, a
+    # select, any()
     a, b = torch.rand(8192, generator=g), torch.rand(8192, generator=g)
     o, m = torch.empty(8192), torch.empty(8192, dtype=torch.bool)
     an, bn, on, mn = a.numpy(), b.numpy(), o.numpy(), m.numpy()
     ops = {"product": (lambda: torch.mul(a, b, out=o), lambda: np.multiply(an, bn, out=on)),
            "comparison": (lambda: torch.gt(a, 0, out=m), lambda: np.greater(an, 0, out=mn)),
            "masked write": (lambda: o.masked_fill_(m, 0.0), lambda: np.copyto(on, 0.0, where=mn)),
-           "select": (lambda: torch.where(m, a, b), lambda: np.where(mn, an, bn))}
+           "select": (lambda: torch.where(m, a, b), lambda: np.where(mn, an, bn)),
+           "any()": (lambda: bool(m.any()), lambda: bool(mn.any()))}
     for name, (tf, nf) in ops.items():
         t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
@@ -638,12 +641,12 @@ def numpy_searches() -> None:
 def first_extremes() -> None:
     """The codecs' extremes on the CPU: ``common.first_absmax(x, 1)`` and
     ``legacy._first_min_max`` (amax/amin, argmax only for rows where those cannot tell the
-    element) against the argmax/argmin they replaced, on Gaussian [8192, 32] (a legacy codec
-    slice) with ties and zeros of both signs mixed in, and ``first_absmax(xs, 0)`` on [16,
-    16384] (a Q6_K slice, positions first) against the weighted-position search
-    (``common._first_absmax_by_argmax``): microseconds per call, best of five rounds of 50,
-    one thread, heap bounded, the results compared bit for bit; then Q4_0, Q4_1, Q5_0, Q5_1,
-    Q6_K and Q3_K of 2M values (one thread, best of four)."""
+    element) against the argmax/argmin they replaced (``common._first_absmax_by_argmax``, the
+    path off the CPU), on Gaussian [8192, 32] (a legacy codec slice) with ties and zeros of
+    both signs mixed in, and ``first_absmax(xs, 0)`` on [16, 16384] (a Q6_K slice, positions
+    first) against the same function's weighted-position search: microseconds per call, best
+    of five rounds of 50, one thread, heap bounded, the results compared bit for bit; then
+    Q4_0, Q4_1, Q5_0, Q5_1, Q6_K and Q3_K of 2M values (one thread, best of four)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common, legacy
     from quantpress.runtime import bound_heap
@@ -654,19 +657,14 @@ def first_extremes() -> None:
     x = torch.randn(8192, 32, generator=g) * 0.02
     x[::7, 3], x[::7, 5], x[::11], x[::13, 0] = 0.5, -0.5, 0.0, -0.0
 
-    def absmax_by_argmax(x):
-        ax = x.abs().nan_to_num_(nan=0.0, posinf=float("inf"))
-        idx = ax.argmax(1, keepdim=True)
-        amax = ax.gather(1, idx).squeeze(1)
-        return torch.where(amax > 0, x.gather(1, idx).squeeze(1), 0.0), amax
-
     def min_max_by_argmin(x):
         return x.gather(1, x.argmin(1, keepdim=True)), x.gather(1, x.argmax(1, keepdim=True))
 
     xs = torch.randn(16, 16384, generator=g) * 0.02     # a Q6_K slice's sub-blocks, positions first
     xs[3, ::7], xs[5, ::7], xs[:, ::11], xs[0, ::13] = 0.5, -0.5, 0.0, -0.0
     for what, shape, new, old in (
-            ("first_absmax", "[8192, 32]", lambda: common.first_absmax(x, 1), lambda: absmax_by_argmax(x)),
+            ("first_absmax", "[8192, 32]", lambda: common.first_absmax(x, 1),
+             lambda: common._first_absmax_by_argmax(x, 1)),
             ("_first_min_max", "[8192, 32]", lambda: legacy._first_min_max(x), lambda: min_max_by_argmin(x)),
             ("first_absmax", "[16, 16384] dim 0", lambda: common.first_absmax(xs, 0),
              lambda: common._first_absmax_by_argmax(xs, 0))):
@@ -682,9 +680,12 @@ def levels_bytes() -> None:
     """The K-quants' requantization to level bytes on the CPU, a Q4_K slice (8,192 sub-blocks
     of 32): ``kquants._requant_bytes`` (block order, bytes through int32) against the same
     float ops and range check positions first followed by the transpose back to block order
-    and a direct float32 -> uint8 conversion (its form before), and that conversion alone against through
-    int32 on [16, 16384]: microseconds, best of five rounds of 50, one thread, heap bounded;
-    then Q4_K and Q6_K of 2M values."""
+    and a direct float32 -> uint8 conversion (its form before), and that conversion alone
+    against through int32 on [16, 16384]; the extremes of a Q6_K slice's 16,384 sub-blocks of
+    16 along rows (block order) and along the first axis (positions first), which
+    ``_requant_bytes``' range check takes; a masked_fill_ of [32, 8192] with an [8192] mask
+    (the searches' final fill of degenerate sub-blocks): microseconds, best of five rounds of
+    50, one thread, heap bounded; then Q4_K and Q6_K of 2M values."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import kquants
     from quantpress.runtime import bound_heap
@@ -715,6 +716,15 @@ def levels_bytes() -> None:
         same = torch.equal(new(), old())
         t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
         print(f"{what:24s}: now {t_new:6.1f} us, before {t_old:6.1f} us (same: {same})")
+    x16 = torch.randn(16384, 16, generator=g) * 0.02
+    x16t = x16.t().contiguous()
+    rows = best_ms(lambda: [(x16.amin(1), x16.amax(1)) for _ in range(50)]) / 50 * 1e3
+    cols = best_ms(lambda: [(x16t.amin(0), x16t.amax(0)) for _ in range(50)]) / 50 * 1e3
+    print(f"amin and amax of 16,384 sub-blocks of 16: along rows {rows:6.1f} us, "
+          f"along the first axis {cols:6.1f} us")
+    L32, mask = torch.zeros(32, S), torch.zeros(S, dtype=torch.bool)
+    fill = best_ms(lambda: [L32.masked_fill_(mask, 0.0) for _ in range(50)]) / 50 * 1e3
+    print(f"masked_fill_ of [32, 8192] with an [8192] mask: {fill:6.1f} us")
     v = torch.randn(512, 4096, generator=g) * 0.02
     for t in ("Q4_K", "Q6_K"):
         print(f"{t} of 2M values: {best_ms(lambda t=t: ggml.quantize(v, t), n=4):6.1f} ms")
@@ -865,7 +875,7 @@ def main() -> int:
     ap.add_argument("--seq-sum", action="store_true",
                     help="only the codecs' sequential sums: numpy's reduce against torch adds")
     ap.add_argument("--first-extremes", action="store_true",
-                    help="only the legacy codecs' block extremes: amax/amin against argmax/argmin")
+                    help="only the codecs' block and sub-block extremes: amax/amin against argmax/argmin")
     ap.add_argument("--levels", action="store_true",
                     help="only the K-quants' requantization to level bytes: block order against "
                          "positions first, through int32 against directly")

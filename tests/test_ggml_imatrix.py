@@ -151,8 +151,9 @@ def test_integer_rounding_path(name, monkeypatch):
 @pytest.mark.parametrize("name", ["Q2_K", "Q4_K", "Q5_K", "Q4_1", "Q6_K"])
 def test_numpy_searches_torch_ops(name, im_kind, monkeypatch):
     """make_qp_quants (the weighted scale and min search of Q2_K, Q4_K, Q5_K),
-    make_qkx2_quants' acceptance test (those and Q4_1's) and make_qx_quants' (Q6_K's) with torch's operations, which other
-    devices run, give llama.cpp's bytes as the NumPy ones the CPU runs do (the other tests)."""
+    make_qkx2_quants' acceptance test (those and Q4_1's) and make_qx_quants' (Q6_K's) with
+    torch's operations, which other devices run, give llama.cpp's bytes as the NumPy ones the
+    CPU runs do (the other tests)."""
     monkeypatch.setattr(kquants, "NUMPY_SEARCHES_ON_CPU", False)
     x = np.concatenate([edge_rows(), _random_tensor(8, 24, 256)])
     _check(x, name, _imatrix(im_kind, 256, seed=6))

@@ -187,11 +187,12 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     value, a few ns per row): max|x| is the larger of max and -min, the element is +max|x| if
     the largest equals it, -max|x| if the smallest equals its negative; rows where both or
     neither hold (+a and -a both present, or a NaN, which the reductions propagate) are
-    scanned, gathered. The per-row logic is NumPy's (torch's comparisons to bool and
-    ``any()`` cost 8-13 us per 16k rows, NumPy's 1-2). [8192, 32] with ties and zero rows
-    mixed in: 0.22 ms against 0.63 by argmax; [16, 16384] along the first axis, a seventh of
-    the columns ties: 0.25 ms against 0.39 by the weighted positions
-    (``scripts/micro_figures.py --first-extremes``; one thread).
+    scanned, gathered. The per-row logic is NumPy's (on an [8192] row torch's comparison
+    takes 6.3 us and its ``any()`` 7.5, NumPy's 1.2 and 1.0: ``scripts/micro_figures.py
+    --numpy-searches``). [8192, 32] with ties and zero rows mixed in: 0.22 ms against 0.63
+    by argmax; [16, 16384] along the first axis, a seventh of the columns ties: 0.25 ms
+    against 0.39 by the weighted positions (``scripts/micro_figures.py --first-extremes``;
+    one thread).
     """
     if x.device.type == "cpu" and x.dim() == 2:
         d = dim % 2

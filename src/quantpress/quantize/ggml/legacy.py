@@ -46,12 +46,13 @@ def _first_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The extremes' values are ``amin``/``amax``'s (plain reductions); only where one is a zero
     (whose sign is the first zero's) or not finite is the element itself taken, by
     argmin/argmax (~65 ns per row on the CPU). On the CPU the per-row tests and those rows'
-    scans are NumPy's (torch's comparisons to bool cost 8-13 us per 16k rows, NumPy's 1-2):
-    [8192, 32] with ties and zero rows mixed in 0.16 ms against 1.11 by argmin/argmax
-    (``scripts/micro_figures.py --first-extremes``, one thread)."""
+    scans are NumPy's (on an [8192] row torch's comparison takes 6.3 us, NumPy's 1.2,
+    ``scripts/micro_figures.py --numpy-searches``): [8192, 32] with ties and zero rows mixed
+    in 0.16 ms against 1.11 by argmin/argmax (``scripts/micro_figures.py --first-extremes``,
+    one thread)."""
     mn, mx = x.amin(1), x.amax(1)
     if x.device.type == "cpu":
-        a, b = mn.numpy(), mx.numpy()
+        a, b = mn.numpy(), mx.numpy()       # views: the odd rows are written through them
         odd = np.isfinite(a)
         odd &= np.isfinite(b)
         odd &= a != 0

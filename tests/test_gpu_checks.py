@@ -61,6 +61,7 @@ def test_cpu_against_cpu_is_identical_everywhere(smoke):
     assert exl2["allocation_identical"] and len(exl2["layers_a"]) == 2
     for v in exl2["linears"].values():
         assert v["max_abs_diff"] == 0.0 and v["q_weight_identical"] == 1.0 and v["max_step"] > 0
+        assert 0 < v["rel_err_a"] == v["rel_err_b"] < 0.5
     assert all(awq["files_identical"].values()) and all(exl2["files_identical"].values())
 
     st = checks["stages"]
@@ -102,10 +103,25 @@ def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
     assert c["linears"]["model.layers.1.mlp.down_proj"]["max_abs_diff"] == 0.0
 
     # EXL2: another allocation for one layer
+    model = work / "tiny-llama"
     alloc = [{"layer": 0, "attn": 1, "mlp": 2}, {"layer": 1, "attn": 1, "mlp": 2}]
     moved = [dict(alloc[0]), dict(alloc[1], mlp=3)]
-    c = gpu_checks.compare_exl2(work / "exl2-a", work / "exl2-b", alloc, moved)
+    c = gpu_checks.compare_exl2(work / "exl2-a", work / "exl2-b", alloc, moved, model)
     assert c["allocation_identical"] is False and c["identical"] is False and c["pass"] is False
+    # EXL2: one linear's reconstruction 5% larger (its q_scale_max scaled): its relative error
+    # moves by more than EXL2_REL_ERR, the others stay equal
+    other = tmp_path / "exl2-b"
+    shutil.copytree(work / "exl2-b", other)
+    f = other / "output.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.0.mlp.down_proj.q_scale_max"] *= 1.05
+    save_file(tensors, f, metadata={"format": "pt"})
+    c = gpu_checks.compare_exl2(work / "exl2-a", other, alloc, alloc, model)
+    assert c["allocation_identical"] is True and c["identical"] is False and c["pass"] is False
+    bad = c["linears"]["model.layers.0.mlp.down_proj"]
+    assert bad["pass"] is False and bad["rel_err_b"] > bad["rel_err_a"] * (1 + gpu_checks.EXL2_REL_ERR)
+    assert all(v["pass"] and v["rel_err_a"] == v["rel_err_b"] for m, v in c["linears"].items()
+               if m != "model.layers.0.mlp.down_proj")
 
     # batch: one output with another checksum, one run failed
     ok = {"exit_code": 0, "seconds": 1.0, "rows": [{"path": "x.gguf", "status": "made"}],
@@ -133,6 +149,28 @@ def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
     for t in ("Q8_0", "Q4_K"):
         s = c["types"][t]["shapes"]["4x256"]
         assert s["bytes_identical"] is False and s["differing_bytes"] == 1 and s["dequant_identical"]
+
+
+def test_hessian_noise_perturbs_every_factorization_while_active():
+    """--hessian-noise's stand-in for another device: the Hessians that both import sites of
+    hessian_factor see are perturbed while the context is active, and only then."""
+    import gpu_checks
+    import torch
+    import quantpress.calibration.exl2_measure as measure
+    import quantpress.quantize.gptq as gptq
+
+    real = gptq.hessian_factor
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    H = x.T @ x / 256
+    plain = real(H, 64).upper
+    with gpu_checks.hessian_noise(1e-3):
+        assert measure.hessian_factor is gptq.hessian_factor is not real
+        noisy = gptq.hessian_factor(H, 64).upper
+        again = measure.hessian_factor(H, 64).upper
+    assert measure.hessian_factor is gptq.hessian_factor is real
+    assert torch.equal(noisy, again) and not torch.equal(noisy, plain)
+    with gpu_checks.hessian_noise(0.0):
+        assert gptq.hessian_factor is real and torch.equal(real(H, 64).upper, plain)
 
 
 def test_no_cuda_exits_2_with_one_line(tmp_path):

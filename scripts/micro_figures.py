@@ -603,11 +603,13 @@ def numpy_searches() -> None:
     for name, (tf, nf) in ops.items():
         t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
-    for way, flag in ways.items():
+    for way, flag, gathered in (("NumPy", True, True), ("NumPy, whole rows", True, False), ("torch", False, False)):
         use(flag)
+        kquants._NumpyOps.GATHERS = gathered
         with common.quiet_floats():         # (as the codecs' slices run)
             ms = best_ms(lambda: [kquants.make_qp_quants(x, w, 63) for _ in range(20)], n=3) / 20
-        print(f"make_qp_quants of [8, 2048], {way:6s} {ms:6.2f} ms")
+        print(f"make_qp_quants of [8, 2048], {way:17s} {ms:6.2f} ms")
+    kquants._NumpyOps.GATHERS = True
     use(True)
     # how many of a Q3_K slice's sub-blocks each descent pass works on (Gaussian values)
     sizes: list[int] = []
@@ -629,13 +631,15 @@ def numpy_searches() -> None:
     codecs = tuple((t, lambda t=t: ggml.quantize(v, t, imatrix)) for t in ("Q2_K", "Q4_K", "Q5_K"))
     codecs += tuple((t + " -", lambda t=t: ggml.quantize(v, t)) for t in ("Q3_K", "Q4_K", "Q6_K"))
     codec_ab(ways, use, codecs, "torch", 6)
-    # Q3_K's descent with its test on the gathered sub-blocks whose level changes against
+    # Q3_K's descent and make_qp_quants' (Q4_K with an imatrix) with C's test on the
+    # gathered groups whose level changes, later passes on the groups that changed, against
     # the test on whole rows (NumPy's select, as torch's path does)
 
     def gathers(flag: bool) -> None:
         kquants._NumpyOps.GATHERS = flag
     codec_ab({"NumPy, test gathered": True, "NumPy, whole rows": False}, gathers,
-             (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")),), "NumPy, whole rows", 20)
+             (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")), ("Q4_K", lambda: ggml.quantize(v, "Q4_K", imatrix))),
+             "NumPy, whole rows", 20)
 
 
 def first_extremes() -> None:

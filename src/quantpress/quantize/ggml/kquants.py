@@ -432,50 +432,71 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
     pass, 836 to a third). On the CPU these are NumPy's operations: the later passes' arrays
     are small, and a pass is 16 positions of ~12 operations on the row, then C's test on the
     few sub-blocks whose level would change (``xp.GATHERS``; torch's path tests whole rows
-    and selects, as a device must without a synchronization). Q3_K of 2M values 60-64 ms
-    against 99-107 ms with torch's operations; the test on whole rows in NumPy 64.5-66.4 ms
-    against 57.0-59.6 gathered (one thread, ``scripts/micro_figures.py --numpy-searches``)."""
-    n = x.shape[0]
+    and selects, as a device must without a synchronization). Q3_K of 2M values 45-48 ms
+    against 89-95 ms with torch's operations; the test on whole rows in NumPy 54-58 ms
+    against 46-49 gathered (one thread, ``scripts/micro_figures.py --numpy-searches``); the
+    passes run in :func:`_descent_passes`."""
+    def position(i, cols, La, slx_a, sl2_a, changed, first):
+        xi, wi, wxi = (c[i] for c in cols)
+        li = La[i]
+        a = act if first else None                      # (only pass 1 holds all-zero ones)
+        slx = slx_a - wxi * li
+        wl = wi * li
+        sl2 = sl2_a - wl * li
+        t = xi * sl2
+        t /= slx                                        # x*sl2/slx
+        new_l = xp.float32(xp.clip(xp.nearest_int(t), -nmax, nmax - 1))
+        if xp.GATHERS:
+            # C goes on only where slx > 0 and the level changes: a few sub-blocks per
+            # position, so the test runs on those alone, gathered (NumPy's select of an
+            # [8192] row takes 7.1 us, a product 1.4: scripts/micro_figures.py --numpy-searches)
+            k = new_l != li
+            k &= slx > 0
+            if a is not None:
+                k &= a
+            k = xp.flatnonzero(k)
+            if k.shape[0]:
+                nl = new_l[k]
+                slx2, sl22, accept = _q3_test(nl, slx[k], sl2[k], wi[k], wxi[k], slx_a[k], sl2_a[k])
+                kk = k[accept]
+                li[kk] = nl[accept]
+                slx_a[kk] = slx2[accept]
+                sl2_a[kk] = sl22[accept]
+                changed[kk] = True
+            return slx_a, sl2_a
+        slx2, sl22, accept = _q3_test(new_l, slx, sl2, wi, wxi, slx_a, sl2_a)
+        accept &= slx > 0
+        accept &= new_l != li
+        if a is not None:
+            accept &= a
+        La[i] = xp.where(accept, new_l, li)
+        changed |= accept
+        return xp.where(accept, slx2, slx_a), xp.where(accept, sl22, sl2_a)
+
+    return _descent_passes(xp, (x, w, wx), L, sumlx, suml2, position)
+
+
+def _descent_passes(xp, cols, L, sumlx, suml2, position):
+    """Up to 5 passes over the n positions of many groups' coordinate descent, as C's
+    make_q3_quants and make_qp_quants run theirs for one group, stopping after a pass that
+    changed nothing: the first pass on every group, each later one only on the groups that
+    changed something in the pass before (a group that changed nothing stays where it is, as
+    its next pass would repeat the same operations on the same state).
+
+    ``cols``: float32 arrays [n, S] the passes read (torch tensors or NumPy arrays, ``xp``'s
+    kind); ``L`` [n, S] the levels, updated in place; ``sumlx``, ``suml2`` [S] the sums (the
+    arrays given may be overwritten). ``position(i, cols, L, sumlx, suml2, changed, first)``
+    runs position i of a pass on the working set (its columns of each array: [n, S'] and
+    [S']), updates the levels of row i, marks the groups it changed in the bool [S']
+    ``changed`` (in place) and returns the new (sumlx, suml2); ``first``: pass 1. Returns
+    the final (sumlx, suml2)."""
+    n = L.shape[0]
     idx = None                                          # None: the full set
-    xa, wa, wxa, La = x, w, wx, L
-    slx_a, sl2_a = sumlx, suml2
-    for _ in range(5):
+    ca, La, slx_a, sl2_a = cols, L, sumlx, suml2
+    for p in range(5):
         changed = xp.false_like(slx_a)
         for i in range(n):
-            xi, wi, wxi, li = xa[i], wa[i], wxa[i], La[i]
-            slx = slx_a - wxi * li
-            wl = wi * li
-            sl2 = sl2_a - wl * li
-            t = xi * sl2
-            t /= slx                                    # x*sl2/slx
-            new_l = xp.float32(xp.clip(xp.nearest_int(t), -nmax, nmax - 1))
-            if xp.GATHERS:
-                # C goes on only where slx > 0 and the level changes: a few sub-blocks per
-                # position, so the test runs on those alone, gathered (NumPy's select of an
-                # [8192] row takes 7.1 us, a product 1.4: scripts/micro_figures.py --numpy-searches)
-                k = new_l != li
-                k &= slx > 0
-                if act is not None:
-                    k &= act
-                k = xp.flatnonzero(k)
-                if k.shape[0]:
-                    nl = new_l[k]
-                    slx2, sl22, accept = _q3_test(nl, slx[k], sl2[k], wi[k], wxi[k], slx_a[k], sl2_a[k])
-                    kk = k[accept]
-                    li[kk] = nl[accept]
-                    slx_a[kk] = slx2[accept]
-                    sl2_a[kk] = sl22[accept]
-                    changed[kk] = True
-                continue
-            slx2, sl22, accept = _q3_test(new_l, slx, sl2, wi, wxi, slx_a, sl2_a)
-            accept &= slx > 0
-            accept &= new_l != li
-            if act is not None:
-                accept &= act
-            La[i] = xp.where(accept, new_l, li)
-            slx_a = xp.where(accept, slx2, slx_a)
-            sl2_a = xp.where(accept, sl22, sl2_a)
-            changed |= accept
+            slx_a, sl2_a = position(i, ca, La, slx_a, sl2_a, changed, p == 0)
         if idx is None:
             sumlx, suml2 = slx_a, sl2_a                 # L was updated in place
         else:
@@ -486,8 +507,8 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
         if keep.shape[0] == 0:
             break
         idx = keep if idx is None else idx[keep]
-        act = None
-        xa, wa, wxa, La = (xp.take_cols(a, keep) for a in (xa, wa, wxa, La))
+        ca = tuple(xp.take_cols(a, keep) for a in ca)
+        La = xp.take_cols(La, keep)
         slx_a, sl2_a = slx_a[keep], sl2_a[keep]
     return sumlx, suml2
 
@@ -668,10 +689,13 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     These arrays are small (Q4_K: [8, 2048] per codec slice) and the search and up to 5
     passes over 8 positions of ~35 operations each are mostly the operations' dispatch: on
     the CPU they run in NumPy (:data:`NUMPY_SEARCHES_ON_CPU`; on an [8192] row a product
-    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.5 ms against
-    4.0 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 228-232 ms
-    against 252-261 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
-    torch. Both run :func:`_qp_search`, the same operations in the same order.
+    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.11 ms against
+    4.08 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 214-223 ms
+    against 244-249 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
+    torch. Both run :func:`_qp_search`, the same operations in the same order; in NumPy the
+    descent's passes test only the groups whose level would change and, after the first,
+    work only on the groups that changed (:func:`_qp_descent`; 1.11 ms against 1.47 on whole
+    rows, Q4_K with an imatrix 218-221 ms against 220-225, the same script).
     """
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
@@ -710,6 +734,11 @@ def _qp_search(xp, x, w, nmax: int):
     sumlx = xp.seq_sum(wx * lf)
     suml2 = xp.seq_sum(w * lf * lf)
     L = l & 0xFF                        # uint8 L[i]; the passes below read the stored value
+    if xp.GATHERS:
+        sumlx, suml2 = _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax)
+        scale = xp.where(suml2 > 0, sumlx / suml2, 0.0)
+        scale = xp.where(zero, 0.0, scale)
+        return scale, xp.where(zero, 0, L)
     for _ in range(5):
         # a pass that changes nothing leaves the state as it was, so running all 5 passes
         # equals C's per-group ``if (!n_changed) break``
@@ -732,6 +761,45 @@ def _qp_search(xp, x, w, nmax: int):
     scale = xp.where(suml2 > 0, sumlx / suml2, 0.0)
     scale = xp.where(zero, 0.0, scale)
     return scale, xp.where(zero, 0, L)
+
+
+def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
+    """:func:`_qp_search`'s coordinate descent on arrays with ``xp.GATHERS`` (NumPy's, on
+    the CPU), in :func:`_descent_passes` as :func:`_q3_descent` runs its own: ``x``, ``w``,
+    ``wx`` = w*x float32 [n, S]; ``L`` int32 [n, S] (the stored uint8 levels, updated in
+    place); ``sumlx``, ``suml2`` float32 [S]. Returns the final (sumlx, suml2) (the arrays
+    given may be overwritten).
+
+    The same operations as the passes on whole rows in :func:`_qp_search`, on fewer values:
+    C's test runs only on the groups whose level would change at a position (with slx > 0
+    and sl2 > 0), gathered, and a pass after the first only on the groups that changed
+    something in the pass before."""
+    def position(i, cols, La, slx_a, sl2_a, changed, first):
+        xi, wi, wxi = (c[i] for c in cols)
+        li = xp.float32(La[i])
+        slx = slx_a - wxi * li
+        wl = wi * li
+        sl2 = sl2_a - wl * li
+        new_l = xp.cap(xp.nearest_int(xi * sl2 / slx), nmax)
+        k = new_l != La[i]
+        k &= slx > 0
+        k &= sl2 > 0
+        k = xp.flatnonzero(k)
+        if k.shape[0]:
+            nk = new_l[k]
+            nl = xp.float32(nk)
+            slx2 = slx[k] + wxi[k] * nl
+            sl22 = sl2[k] + wi[k] * nl * nl
+            s_k = slx_a[k]
+            accept = slx2 * slx2 * sl2_a[k] > s_k * s_k * sl22
+            kk = k[accept]
+            La[i][kk] = nk[accept] & 0xFF
+            slx_a[kk] = slx2[accept]
+            sl2_a[kk] = sl22[accept]
+            changed[kk] = True
+        return slx_a, sl2_a
+
+    return _descent_passes(xp, (x, w, wx), L, sumlx, suml2, position)
 
 
 # ============================================================================ Q2_K

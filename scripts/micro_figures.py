@@ -91,6 +91,9 @@ With ``--exit`` only the console commands' ending (``cli.common.exit_with``): Sm
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
 
+With ``--codec-profile [DEVICE]`` (default cuda) only where Q4_K's and Q6_K's time goes on that
+device: wall, device busy time, kernels and copies launched, values read back by the host.
+
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
 Q4_K and Q6_K of 8,192 x 8,192 weights (67 M) with and without an imatrix by chunk size
 (2^24, 2^25, 2^26 elements): milliseconds and the GPU memory the call adds.
@@ -150,6 +153,48 @@ def snr_floor() -> None:
     other = torch.randn(x.shape, generator=g)
     print(f"  lowest {lowest:.1f} dB; wrong data: another tensor's {snr_db(x, other):.1f} dB, "
           f"zeros {snr_db(x, torch.zeros_like(x)):.1f} dB")
+
+
+def codec_profile(device: str) -> None:
+    """Where a ggml codec's time goes on ``device`` (CUDA: is it the kernels, or their
+    launches and the host's waits?): Q4_K with and without an importance vector and Q6_K of
+    8,192 x 8,192 weights (67 M) through ``quantize.ggml.quantize``: the wall milliseconds of
+    the call (best of three, synchronized), then under ``torch.profiler`` the device's busy
+    milliseconds (the sum of its kernels' and copies' own times), how many kernels and copies
+    it ran, and how many times the host read a value back (``aten::_local_scalar_dense``:
+    ``bool()``/``item()``; ``aten::nonzero``), each a wait for the device to drain."""
+    from torch.profiler import ProfilerActivity, profile
+    import quantpress.quantize.ggml as qg
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(8192, 8192, device=dev, generator=g)
+    w = torch.rand(8192, device=dev, generator=g) + 0.1
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for t, im in (("Q4_K", None), ("Q4_K", w), ("Q6_K", None)):
+        qg.quantize(x[:512], t, imatrix=im)           # warm-up
+        sync()
+        ms = best_ms(lambda: (qg.quantize(x, t, imatrix=im), sync()), n=3)
+        with profile(activities=acts) as prof:
+            qg.quantize(x, t, imatrix=im)
+            sync()
+        busy_us, launched, reads = 0.0, 0, 0
+        for e in prof.key_averages():
+            on_device = getattr(e, "self_device_time_total", None)
+            if on_device is None:
+                on_device = getattr(e, "self_cuda_time_total", 0)
+            if str(e.device_type).endswith("CUDA"):
+                busy_us += on_device
+                launched += e.count
+            if e.key in ("aten::_local_scalar_dense", "aten::nonzero"):
+                reads += e.count
+        print(f"{t} {'imatrix' if im is not None else 'plain  '} on {device}: {ms:7.1f} ms; device busy "
+              f"{busy_us / 1e3:7.1f} ms in {launched} kernels and copies; {reads} reads back")
 
 
 def torch_ops(fn) -> int:
@@ -859,6 +904,9 @@ def main() -> int:
     ap.add_argument("--awq-layers", type=int, default=3, help="SmolLM2 layers for the AWQ Gram "
                     "form's figures (30: all)")
     ap.add_argument("--cuda", action="store_true", help="only the GPU figure (ggml chunk size on CUDA)")
+    ap.add_argument("--codec-profile", metavar="DEVICE", nargs="?", const="cuda",
+                    help="only where Q4_K's and Q6_K's time goes on DEVICE (default cuda): wall, device "
+                         "busy time, kernels launched, values read back")
     ap.add_argument("--threads", help="only the codec thread sweep, on these thread counts (e.g. 1,2,4,8)")
     ap.add_argument("--lanes", help="only the codec lanes (threads against processes), on these "
                     "lane counts (e.g. 1,2)")
@@ -894,6 +942,9 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
         ggml_cuda_chunks()
+        return 0
+    if args.codec_profile:
+        codec_profile(args.codec_profile)
         return 0
     if args.threads:
         codec_thread_sweep([int(n) for n in args.threads.split(",")])

@@ -15,7 +15,8 @@ constant or choice it supports (CPU, this machine):
   ``quantize.gptq.hessian_inverse_factor``): ``cholesky_inverse`` against solving against the
   identity, one thread;
 - gguf-py's reader over a plain ndarray view (``convert.gguf_roundtrip.GGUFFileReader``) against
-  gguf-py's own, parsing a SmolLM2 GGUF (its 49,152-token vocabulary);
+  gguf-py's own, and the round trip's checkers' reader (``GGUFTensorsReader``, arrays' extents
+  only), parsing a SmolLM2 GGUF (its 49,152-token vocabulary; alone with ``--parse``);
 - the AWQ scale search's slices (``calibration.awq.SEARCH_SLICE_TOKENS``): float32 matmul
   throughput of SmolLM2's shapes by tokens per slice, and whether SmolLM2's attention and MLP
   give, row by row, the same bits over slices as over one batch (what keeps pruning exact);
@@ -368,7 +369,7 @@ def hessian_factor() -> None:
 def reader_parse(gguf: Path | None) -> None:
     from gguf import GGUFReader
 
-    from quantpress.convert.gguf_roundtrip import GGUFFileReader
+    from quantpress.convert.gguf_roundtrip import GGUFFileReader, GGUFTensorsReader
 
     with tempfile.TemporaryDirectory() as d:
         if gguf is None:
@@ -379,8 +380,9 @@ def reader_parse(gguf: Path | None) -> None:
                            stdout=subprocess.DEVNULL)
         plain = best_ms(lambda: GGUFReader(str(gguf)), 3)
         ours = best_ms(lambda: GGUFFileReader(str(gguf)), 3)
+        checks = best_ms(lambda: GGUFTensorsReader(str(gguf)), 3)
     print(f"parsing {gguf.name}: gguf-py's GGUFReader {plain / 1e3:.2f} s, GGUFFileReader "
-          f"{ours / 1e3:.2f} s")
+          f"{ours / 1e3:.2f} s, GGUFTensorsReader {checks / 1e3:.3f} s")
 
 
 def awq_search(layers: int) -> None:
@@ -916,6 +918,8 @@ def main() -> int:
                     default=Path.home() / ".cache/quantpress/models/synth-llama-554M",
                     help="--slices: the model (default: the 554M random llama)")
     ap.add_argument("--dequantize", action="store_true", help="only the dequantizers' times")
+    ap.add_argument("--parse", action="store_true", help="only the GGUF readers' parse of --gguf "
+                    "(default: SmolLM2's Q8_0)")
     ap.add_argument("--weighted", action="store_true",
                     help="only the importance-weighted codecs' times and sqrtf's")
     ap.add_argument("--select", action="store_true",
@@ -981,6 +985,9 @@ def main() -> int:
         return 0
     if args.round_trip:
         round_trip(args.round_trip)
+        return 0
+    if args.parse:
+        reader_parse(args.gguf)
         return 0
     snr_floor()
     codec_threads()

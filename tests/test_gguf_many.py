@@ -197,6 +197,51 @@ def test_round_trip_beside_writing_equals_one_after_it(prepared, tmp_path):
         assert t.roundtrip.tensors == after.tensors
 
 
+def test_tensors_reader_finds_what_gguf_py_finds(prepared, tmp_path):
+    """The checkers' reader (arrays' extents only) and gguf-py's whole parse agree on every
+    tensor (name, type, shape, offset, bytes), on the data offset, on every metadata key and
+    type and on every value that is no array; an array's field keeps its bytes as one part."""
+    from gguf import GGUFValueType
+
+    (t,) = _fresh(prepared, ["Q8_0"])
+    f = tmp_path / "q8.gguf"
+    GGUFTarget.write_together([t], [f], [Run(progress=False)])
+    full, fast = gguf_roundtrip.GGUFFileReader(str(f)), gguf_roundtrip.GGUFTensorsReader(str(f))
+    info = [[(x.name, int(x.tensor_type), x.shape.tolist(), int(x.data_offset), int(x.n_bytes))
+             for x in r.tensors] for r in (full, fast)]
+    assert info[0] == info[1] and len(info[0]) == len(t.plan.tensors)
+    assert fast.data_offset == full.data_offset
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(full.tensors, fast.tensors))
+    assert list(full.fields) == list(fast.fields)
+    arrays = 0
+    for key, a in full.fields.items():
+        b = fast.fields[key]
+        assert a.types == b.types and a.offset == b.offset, key
+        assert sum(int(p.nbytes) for p in a.parts) == sum(int(p.nbytes) for p in b.parts), key
+        if a.types[0] == GGUFValueType.ARRAY:
+            arrays += 1
+            assert b.data == [] and len(b.parts) == 6, key     # key length, key, type, item type, count, items
+        else:
+            assert a.contents() == b.contents(), key
+    assert arrays >= 3      # the vocabulary, its token types, the merges
+
+
+def test_a_string_length_off_by_one_fails_the_round_trip(prepared, tmp_path):
+    """A vocabulary string's length one byte too long: the checkers' walk over the lengths,
+    as gguf-py's own parse, reads everything after it shifted, and the round trip fails."""
+    (t,) = _fresh(prepared, ["Q8_0"])
+    f = tmp_path / "q8.gguf"
+    GGUFTarget.write_together([t], [f], [Run(progress=False)])
+    field = gguf_roundtrip.GGUFFileReader(str(f)).fields["tokenizer.ggml.tokens"]
+    at = field.offset + sum(int(p.nbytes) for p in field.parts[:5])   # the first string's length
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[at:at + 8], "little")
+    raw[at:at + 8] = (n + 1).to_bytes(8, "little")
+    f.write_bytes(bytes(raw))
+    rep = gguf_roundtrip.verify_gguf(f, t.plan.tensors, t.plan.types, torch.device("cpu"))
+    assert not rep.ok and rep.mismatches
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # gguf-py decoding the shifted bytes
 def test_a_file_longer_than_its_tensor_infos_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch):
     """Bytes the tensor infos do not account for (64 after the third tensor: every later

@@ -19,6 +19,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors' memory
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf import quants as gguf_quants
 
 from quantpress.errors import InputError
@@ -107,6 +109,43 @@ class GGUFFileReader(GGUFReader):
     def data(self, mm: np.memmap) -> None:
         self.memmap = mm
         self._plain = mm.view(np.ndarray)
+
+
+class GGUFTensorsReader(GGUFFileReader):
+    """:class:`GGUFFileReader` for the round trip's checks, which read tensors only: gguf-py
+    parses the header, the tensor infos and every metadata value as it does, except arrays
+    (a tokenizer's vocabulary, merges and token types), whose extent alone is found: numbers
+    in one read, strings by a walk over their lengths, each array kept as one part; their
+    fields list no values (``field.data`` is empty). gguf-py's parse takes a few numpy
+    slices per element of an array: SmolLM2's Q8_0 file 0.67 s, 0.014 s this way
+    (``scripts/micro_figures.py --parse``), in every checker process, before its first check. A wrong extent shifts what
+    gguf-py reads next, so the tensor infos and the file stop agreeing: the parse fails, and
+    with it the round trip."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        types = [GGUFValueType.ARRAY, GGUFValueType(int(itype[0]))]
+        nptype = self.gguf_scalar_to_np.get(types[1])
+        if nptype is not None:                                  # numbers: one read
+            values = self._get(orig_offs + 12, nptype, int(alen[0]))
+            if values.shape[0] != int(alen[0]):
+                raise ValueError(f"array at offset {orig_offs} runs past the end of the file")
+            return 12 + int(values.nbytes), [itype, alen, values], [], types
+        if types[1] != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        little = (self.byte_order == "I") == (sys.byteorder == "little")
+        length = struct.Struct("<Q" if little else ">Q")       # each string's uint64 length
+        buf = memoryview(self.data)
+        offs = start = orig_offs + 12
+        for _ in range(int(alen[0])):
+            offs += 8 + length.unpack_from(buf, offs)[0]       # (struct.error past the end)
+        if offs > len(buf):
+            raise ValueError(f"string array at offset {orig_offs} runs past the end of the file")
+        strings = self._get(start, np.uint8, offs - start)
+        return offs - orig_offs, [itype, alen, strings], [], types
 
 
 def open_reader(path: str | Path) -> GGUFReader:
@@ -284,7 +323,7 @@ def verify_gguf(path: Path, tensors: list[SourceTensor], types: dict[str, str],
     t0 = time.perf_counter()
     rep = RoundTrip()
     try:
-        reader = GGUFFileReader(str(path))
+        reader = GGUFTensorsReader(str(path))
     except Exception as e:
         rep.mismatches.append(f"gguf-py cannot read the file ({e})")
         return rep
@@ -376,7 +415,7 @@ class RoundTripWatch:
     def _parse(self) -> None:
         self._timed(True)
         try:
-            self._reader = GGUFFileReader(str(self.path))
+            self._reader = GGUFTensorsReader(str(self.path))
             self._by_name = _tensor_index(self._reader, self.tensors, self.rep)
         except Exception as e:  # gguf-py cannot parse what was written: the round trip fails
             self.rep.mismatches.append(f"gguf-py cannot read the file ({e})")
@@ -452,11 +491,11 @@ VERIFY_WORKERS = 8
 #: tensors: one copy into pages the checker touched at its start, not a new shared-memory
 #: segment per tensor (whose fresh pages each source would fault in). It is also the
 #: backlog: the writer waits while no checker's area can hold the next source. Checks cost
-#: unlike their quantization, and a checker's first check waits for its parse of the file
-#: (SmolLM2's vocabulary: 0.5 s): SmolLM2's Q4_K_M stage on two cores took 2.37-2.49 s with
-#: 64 MiB, 2.14-2.15 s with 128 MiB, 1.88-2.16 s with these 256 MiB (its 28M-element float16
-#: embedding and what is quantized during the parse; `scripts/bench_gguf.py --quantize-only
-#: --windows`, two runs each). A larger source goes alone, in shared memory of its own, at
+#: unlike their quantization, and a checker's first check waited for its parse of the file
+#: (SmolLM2's vocabulary: 0.5 s then, 0.014 s since :class:`GGUFTensorsReader`): SmolLM2's
+#: Q4_K_M stage on two cores took 2.37-2.49 s with 64 MiB, 2.14-2.15 s with 128 MiB,
+#: 1.88-2.16 s with these 256 MiB (its 28M-element float16 embedding and what is quantized
+#: during the parse; `scripts/bench_gguf.py --quantize-only --windows`, two runs each). A larger source goes alone, in shared memory of its own, at
 #: most one per checker at a time. (An area shared by several checkers would free its room
 #: in order, so a slow check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
@@ -563,7 +602,7 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
                               "reader": None, "mismatches": []}
             t0 = time.monotonic()
             try:
-                f["reader"] = GGUFFileReader(path)
+                f["reader"] = GGUFTensorsReader(path)
                 f["by_name"] = _tensor_index(f["reader"], f["tensors"], rep := RoundTrip())
                 f["mismatches"] = rep.mismatches
             except Exception as e:  # gguf-py cannot parse what was written: the round trip fails

@@ -118,9 +118,9 @@ class GGUFTensorsReader(GGUFFileReader):
     in one read, strings by a walk over their lengths, each array kept as one part; their
     fields list no values (``field.data`` is empty). gguf-py's parse takes a few numpy
     slices per element of an array: SmolLM2's Q8_0 file 0.67 s, 0.014 s this way
-    (``scripts/micro_figures.py --parse``), in every checker process, before its first check. A wrong extent shifts what
-    gguf-py reads next, so the tensor infos and the file stop agreeing: the parse fails, and
-    with it the round trip. It overrides gguf-py 0.19.0's ``GGUFReader._get_field_parts``
+    (``scripts/micro_figures.py --parse``), in every checker process, before its first
+    check. A wrong extent shifts what gguf-py reads next, so the tensor infos and the file
+    stop agreeing: the parse fails, and with it the round trip. It overrides gguf-py 0.19.0's ``GGUFReader._get_field_parts``
     (returns the field's byte size, its parts, the indices of its values among them, its
     types), the version pyproject.toml pins; ``tests/test_gguf_many.py`` compares the two
     parses."""
@@ -498,8 +498,8 @@ VERIFY_WORKERS = 8
 #: (SmolLM2's vocabulary: 0.5 s then, 0.014 s since :class:`GGUFTensorsReader`): SmolLM2's
 #: Q4_K_M stage on two cores took 2.37-2.49 s with 64 MiB, 2.14-2.15 s with 128 MiB,
 #: 1.88-2.16 s with these 256 MiB (its 28M-element float16 embedding and what is quantized
-#: during the parse; `scripts/bench_gguf.py --quantize-only --windows`, two runs each). A larger source goes alone, in shared memory of its own, at
-#: most one per checker at a time. (An area shared by several checkers would free its room
+#: during the parse; `scripts/bench_gguf.py --quantize-only --windows`, two runs each). A
+#: larger source goes alone, in shared memory of its own, at most one per checker at a time. (An area shared by several checkers would free its room
 #: in order, so a slow check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where

@@ -499,8 +499,9 @@ VERIFY_WORKERS = 8
 #: Q4_K_M stage on two cores took 2.37-2.49 s with 64 MiB, 2.14-2.15 s with 128 MiB,
 #: 1.88-2.16 s with these 256 MiB (its 28M-element float16 embedding and what is quantized
 #: during the parse; `scripts/bench_gguf.py --quantize-only --windows`, two runs each). A
-#: larger source goes alone, in shared memory of its own, at most one per checker at a time. (An area shared by several checkers would free its room
-#: in order, so a slow check would hold back the room of the checks after it.)
+#: larger source goes alone, in shared memory of its own, at most one per checker at a time.
+#: (An area shared by several checkers would free its room in order, so a slow check would
+#: hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started

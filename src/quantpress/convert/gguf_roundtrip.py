@@ -120,10 +120,10 @@ class GGUFTensorsReader(GGUFFileReader):
     slices per element of an array: SmolLM2's Q8_0 file 0.67 s, 0.014 s this way
     (``scripts/micro_figures.py --parse``), in every checker process, before its first
     check. A wrong extent shifts what gguf-py reads next, so the tensor infos and the file
-    stop agreeing: the parse fails, and with it the round trip. It overrides gguf-py 0.19.0's ``GGUFReader._get_field_parts``
-    (returns the field's byte size, its parts, the indices of its values among them, its
-    types), the version pyproject.toml pins; ``tests/test_gguf_many.py`` compares the two
-    parses."""
+    stop agreeing: the parse fails, and with it the round trip. It overrides gguf-py
+    0.19.0's ``GGUFReader._get_field_parts`` (returns the field's byte size, its parts, the
+    indices of its values among them, its types), the version pyproject.toml pins;
+    ``tests/test_gguf_many.py`` compares the two parses."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != GGUFValueType.ARRAY:

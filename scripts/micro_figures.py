@@ -650,7 +650,8 @@ def numpy_searches() -> None:
     for name, (tf, nf) in ops.items():
         t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
-    for way, flag, gathered in (("NumPy", True, True), ("NumPy, whole rows", True, False), ("torch", False, False)):
+    for way, flag, gathered in (("NumPy", True, True), ("NumPy, whole rows", True, False),
+                                ("torch", False, False)):
         use(flag)
         kquants._NumpyOps.GATHERS = gathered
         with common.quiet_floats():         # (as the codecs' slices run)
@@ -685,7 +686,8 @@ def numpy_searches() -> None:
     def gathers(flag: bool) -> None:
         kquants._NumpyOps.GATHERS = flag
     codec_ab({"NumPy, test gathered": True, "NumPy, whole rows": False}, gathers,
-             (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")), ("Q4_K", lambda: ggml.quantize(v, "Q4_K", imatrix))),
+             (("Q3_K -", lambda: ggml.quantize(v, "Q3_K")),
+              ("Q4_K", lambda: ggml.quantize(v, "Q4_K", imatrix))),
              "NumPy, whole rows", 20)
 
 

@@ -689,13 +689,14 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     These arrays are small (Q4_K: [8, 2048] per codec slice) and the search and up to 5
     passes over 8 positions of ~35 operations each are mostly the operations' dispatch: on
     the CPU they run in NumPy (:data:`NUMPY_SEARCHES_ON_CPU`; on an [8192] row a product
-    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.11 ms against
-    4.08 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 214-223 ms
-    against 244-249 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
-    torch. Both run :func:`_qp_search`, the same operations in the same order; in NumPy the
-    descent's passes test only the groups whose level would change and, after the first,
-    work only on the groups that changed (:func:`_qp_descent`; 1.11 ms against 1.47 on whole
-    rows, Q4_K with an imatrix 218-221 ms against 220-225, the same script).
+    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.09 ms against
+    3.79 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 216-225 ms
+    against 246-259 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
+    torch. Both run :func:`_qp_search`, the same operations in the same order; the descent's
+    passes after the first work only on the groups that changed (:func:`_qp_descent`; before,
+    every pass ran on every group: 1.47 ms in NumPy, 4.08 in torch, the same script at
+    ee7547d), and in NumPy C's test only on the groups whose level would change (1.09 ms
+    against 1.21 testing whole rows).
     """
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
@@ -734,46 +735,22 @@ def _qp_search(xp, x, w, nmax: int):
     sumlx = xp.seq_sum(wx * lf)
     suml2 = xp.seq_sum(w * lf * lf)
     L = l & 0xFF                        # uint8 L[i]; the passes below read the stored value
-    if xp.GATHERS:
-        sumlx, suml2 = _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax)
-        scale = xp.where(suml2 > 0, sumlx / suml2, 0.0)
-        scale = xp.where(zero, 0.0, scale)
-        return scale, xp.where(zero, 0, L)
-    for _ in range(5):
-        # a pass that changes nothing leaves the state as it was, so running all 5 passes
-        # equals C's per-group ``if (!n_changed) break``
-        changed = xp.zeros_like(zero)
-        for i in range(n):
-            li = xp.float32(L[i])
-            slx = sumlx - wx[i] * li
-            sl2 = suml2 - w[i] * li * li
-            new_l = xp.cap(xp.nearest_int(x[i] * sl2 / slx), nmax)
-            nl = xp.float32(new_l)
-            slx2 = slx + wx[i] * nl
-            sl22 = sl2 + w[i] * nl * nl
-            accept = (slx > 0) & (sl2 > 0) & (new_l != L[i]) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[i] = xp.where(accept, new_l & 0xFF, L[i])
-            sumlx = xp.where(accept, slx2, sumlx)
-            suml2 = xp.where(accept, sl22, suml2)
-            changed |= accept
-        if not bool(changed.any()):
-            break
+    sumlx, suml2 = _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax)
     scale = xp.where(suml2 > 0, sumlx / suml2, 0.0)
     scale = xp.where(zero, 0.0, scale)
     return scale, xp.where(zero, 0, L)
 
 
 def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
-    """:func:`_qp_search`'s coordinate descent on arrays with ``xp.GATHERS`` (NumPy's, on
-    the CPU), in :func:`_descent_passes` as :func:`_q3_descent` runs its own: ``x``, ``w``,
-    ``wx`` = w*x float32 [n, S]; ``L`` int32 [n, S] (the stored uint8 levels, updated in
-    place); ``sumlx``, ``suml2`` float32 [S]. Returns the final (sumlx, suml2) (the arrays
-    given may be overwritten).
+    """:func:`_qp_search`'s coordinate descent (C's up to 5 passes over the n positions of
+    each group) on arrays of ``xp``'s kind, in :func:`_descent_passes` as
+    :func:`_q3_descent` runs its own: ``x``, ``w``, ``wx`` = w*x float32 [n, S]; ``L`` int32
+    [n, S] (the stored uint8 levels, updated in place); ``sumlx``, ``suml2`` float32 [S].
+    Returns the final (sumlx, suml2) (the arrays given may be overwritten).
 
-    The same operations as the passes on whole rows in :func:`_qp_search`, on fewer values:
-    C's test runs only on the groups whose level would change at a position (with slx > 0
-    and sl2 > 0), gathered, and a pass after the first only on the groups that changed
-    something in the pass before."""
+    With ``xp.GATHERS`` (NumPy's, on the CPU) C's test runs only on the groups whose level
+    would change at a position (with slx > 0 and sl2 > 0), gathered; torch's tests whole rows
+    and selects, as a device must without a synchronization per position."""
     def position(i, cols, La, slx_a, sl2_a, changed, first):
         xi, wi, wxi = (c[i] for c in cols)
         li = xp.float32(La[i])
@@ -781,6 +758,14 @@ def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
         wl = wi * li
         sl2 = sl2_a - wl * li
         new_l = xp.cap(xp.nearest_int(xi * sl2 / slx), nmax)
+        if not xp.GATHERS:
+            nl = xp.float32(new_l)
+            slx2 = slx + wxi * nl
+            sl22 = sl2 + wi * nl * nl
+            accept = (slx > 0) & (sl2 > 0) & (new_l != La[i]) & (slx2 * slx2 * sl2_a > slx_a * slx_a * sl22)
+            La[i] = xp.where(accept, new_l & 0xFF, La[i])
+            changed |= accept
+            return xp.where(accept, slx2, slx_a), xp.where(accept, sl22, sl2_a)
         k = new_l != La[i]
         k &= slx > 0
         k &= sl2 > 0

@@ -283,20 +283,21 @@ def exl2_allocation(summary) -> list[dict]:
 
 
 def source_weights(model: Path, names: list[str]) -> dict:
-    """The float32 ``<name>.weight`` tensors [out, in] of an HF model directory's safetensors
-    files, for the linears ``names``. CheckError naming the first one missing."""
-    from safetensors import safe_open
+    """The float32 ``<name>.weight`` tensors [out, in] of an HF model directory
+    (:class:`quantpress.convert.hf.HFModel`), for the linears ``names``; a tied ``lm_head``
+    is the token embedding. CheckError naming the first one missing."""
+    from quantpress.convert.hf import HFModel
 
-    want = {f"{n}.weight": n for n in names}
+    hf = HFModel(model)
+    have = set(hf.names)
     out = {}
-    for f in sorted(Path(model).glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            for key in st.keys():
-                if key in want:
-                    out[want[key]] = st.get_tensor(key).float()
-    missing = [n for n in names if n not in out]
-    if missing:
-        raise CheckError(f"{model}: no tensor '{missing[0]}.weight' in its safetensors files")
+    for n in names:
+        key = f"{n}.weight"
+        if key not in have and n == "lm_head":
+            key = "model.embed_tokens.weight"
+        if key not in have:
+            raise CheckError(f"{model}: no tensor '{n}.weight' in its safetensors files")
+        out[n] = hf.tensor(key).float()
     return out
 
 

@@ -151,6 +151,26 @@ def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
         assert s["bytes_identical"] is False and s["differing_bytes"] == 1 and s["dequant_identical"]
 
 
+def test_source_weights_of_a_tied_head_are_the_embedding(tmp_path, smollm2_dir):
+    """The exl2 check's reference weights: a tied lm_head is read as the token embedding; a
+    linear the model lacks is named in a CheckError."""
+    import gpu_checks
+    import synth
+    import torch
+    from quantpress.convert.hf import HFModel
+
+    model = synth.make_model(tmp_path / "tied", "llama", smollm2_dir, num_hidden_layers=1,
+                             tie_word_embeddings=True)
+    hf = HFModel(model)
+    assert "lm_head.weight" not in hf.names
+    w = gpu_checks.source_weights(model, ["lm_head", "model.layers.0.mlp.down_proj"])
+    assert torch.equal(w["lm_head"], hf.tensor("model.embed_tokens.weight").float())
+    assert torch.equal(w["model.layers.0.mlp.down_proj"],
+                       hf.tensor("model.layers.0.mlp.down_proj.weight").float())
+    with pytest.raises(gpu_checks.CheckError, match="model.layers.0.mlp.gate"):
+        gpu_checks.source_weights(model, ["model.layers.0.mlp.gate"])
+
+
 def test_hessian_noise_perturbs_every_factorization_while_active():
     """--hessian-noise's stand-in for another device: the Hessians that both import sites of
     hessian_factor see are perturbed while the context is active, and only then."""

@@ -624,8 +624,7 @@ def run_checks(args: argparse.Namespace, work: Path, report: Report) -> None:
     def pair(kind: str, options):
         runs = {}
         for side, dev in (("a", dev_a), ("b", dev_b)):
-            noise = hessian_noise(args.hessian_noise if side == "b" else 0.0)
-            with noise:
+            with hessian_noise(args.hessian_noise if side == "b" else 0.0):
                 runs[side] = run_pass(options, model, dev, work / f"{kind}-{side}", args.samples,
                                       args.seqlen, calib, cal_dir)
         return runs

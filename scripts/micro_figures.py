@@ -53,6 +53,10 @@ nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqr
 ``sqrtf_checked`` (their weights' exact square roots on the CPU / other devices: nanoseconds
 per element).
 
+With ``--q3-slices`` only Q3_K's CPU slice size (``quantize.ggml.kquants.Q3_K_SLICE_FACTOR``):
+Q3_K of 2M values, with and without an importance vector, in slices of 2, 1 and 4 times the
+other codecs' 2^18 elements (one thread, alternating, four runs each; the same bytes).
+
 With ``--select`` only the K-quant searches' update of their accepted fits
 (``quantize.ggml.kquants._RowSelect``, through the int32 bits) against ``torch.where``: microseconds
 per update of a [5, 8192] state, then Q4_K and Q6_K of 2M values with each (one thread,
@@ -806,6 +810,32 @@ def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 
               f"(same bytes: {same})")
 
 
+def q3_slices() -> None:
+    """Q3_K's CPU slice size (``quantize.ggml.kquants.Q3_K_SLICE_FACTOR``): Q3_K of 512 x 4,096
+    values (2M) without and with an importance vector, in slices of 2, 1 and 4 times
+    ``common.CPU_SLICE_ELEMENTS`` (2^18) elements, through ``common.map_block_slices`` as the
+    codec runs (one thread, heap bounded, alternating, four runs each, the bytes compared)."""
+    from quantpress.quantize.ggml import common, kquants
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(512, 4096, generator=g) * 0.02
+    qw = (torch.rand(4096, generator=g) ** 2 * 10).expand(512, 4096).reshape(-1, 256)
+    factor = [kquants.Q3_K_SLICE_FACTOR]
+
+    def use(f: int) -> None:
+        factor[0] = f
+    codecs = (("Q3_K", lambda: common.map_block_slices(kquants.quantize_q3_k.__wrapped__, v.reshape(-1, 256),
+                                                        search=True, slice_factor=factor[0])),
+              ("Q3_K imatrix", lambda: common.map_block_slices(kquants.quantize_q3_k_weighted.__wrapped__,
+                                                               v.reshape(-1, 256), qw, search=True,
+                                                               slice_factor=factor[0])))
+    codec_ab({"slices of 2 x 2^18": 2, "slices of 2^18": 1, "slices of 4 x 2^18": 4}, use, codecs,
+             "slices of 2^18", 18)
+
+
 def seq_sums() -> None:
     """``common.seq_sum0`` (C's sequential float32 sums) through numpy's axis-0 reduce against
     the loop of torch adds it replaced, one thread: the sums of the K-quant searches' shapes
@@ -930,6 +960,8 @@ def main() -> int:
                     help="only the searches written for NumPy and torch alike (make_qp_quants, "
                          "make_q3_quants' descent, make_qkx2_quants' acceptance test): "
                          "NumPy's operations against torch's")
+    ap.add_argument("--q3-slices", action="store_true",
+                    help="only Q3_K's CPU slice size: 2, 1 and 4 times the other codecs'")
     ap.add_argument("--seq-sum", action="store_true",
                     help="only the codecs' sequential sums: numpy's reduce against torch adds")
     ap.add_argument("--first-extremes", action="store_true",
@@ -972,6 +1004,9 @@ def main() -> int:
         return 0
     if args.select:
         state_select()
+        return 0
+    if args.q3_slices:
+        q3_slices()
         return 0
     if args.seq_sum:
         seq_sums()

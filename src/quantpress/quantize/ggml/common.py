@@ -424,7 +424,7 @@ def quiet_floats():
     return np.errstate(all="ignore")
 
 
-def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.Tensor:
+def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False, slice_factor: int = 1) -> torch.Tensor:
     """Apply a block codec ``fn`` ([nb, k] -> [nb, m]) to slices of the rows of ``x``.
 
     ``more``: further arguments of ``fn``; tensors among them are [nb, ...] and sliced along
@@ -433,7 +433,8 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     the CPU, so that a float16/bfloat16 input is never copied whole into float32 (nor into a
     codec process's shared area: the process widens its slices itself).
     Other devices: ``fn(x in float32, *more)`` once. CPU: the rows are cut into slices of about
-    :data:`CPU_SLICE_ELEMENTS` elements and the results concatenated in order. The codecs
+    ``slice_factor`` x :data:`CPU_SLICE_ELEMENTS` elements (the factor: a codec's own, read
+    with the constant at the call) and the results concatenated in order. The codecs
     issue thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading
     costs more than it brings (and stalls badly on a busy machine), so ops run single-threaded
     and, from :data:`CPU_PARALLEL_ELEMENTS` elements up, the slices are dealt round-robin to as
@@ -455,7 +456,7 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
             return fn(widened(x[i:i + step]), *args)
 
     with single_threaded_ops() as threads:
-        per = max(1, CPU_SLICE_ELEMENTS // max(1, k))           # rows per slice
+        per = max(1, slice_factor * CPU_SLICE_ELEMENTS // max(1, k))    # rows per slice
         least = CPU_PARALLEL_ELEMENTS_SEARCH if search else CPU_PARALLEL_ELEMENTS
         workers = min(threads, CPU_CODEC_THREADS, max(2, -(-nb // per)) if nb * k >= least else 1)
         alone = workers < 2 or getattr(_pool_local, "worker", False)
@@ -478,13 +479,14 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False) -> torch.
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def sliced(fn=None, *, search: bool = False):
+def sliced(fn=None, *, search: bool = False, slice_factor: int = 1):
     """Decorator: run block codec ``fn`` through :func:`map_block_slices` (same signature,
     docstring kept; the undecorated function is ``fn.__wrapped__``). ``@sliced(search=True)``
-    for the search-based codecs (see ``map_block_slices``)."""
+    for the search-based codecs; ``slice_factor``: the codec's CPU slices are that many times
+    :data:`CPU_SLICE_ELEMENTS` (see ``map_block_slices``)."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(x: torch.Tensor, *more) -> torch.Tensor:
-            return map_block_slices(fn, x, *more, search=search)
+            return map_block_slices(fn, x, *more, search=search, slice_factor=slice_factor)
         return run
     return wrap if fn is None else wrap(fn)

@@ -865,6 +865,17 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ Q3_K
 
+#: Q3_K's slices on the CPU are this many times the other codecs' (common.CPU_SLICE_ELEMENTS):
+#: make_q3_quants' descent passes after the first run ~64 positions of NumPy operations on a
+#: few hundred to a few thousand sub-blocks, a cost per slice more than per value. Q3_K of 2M
+#: values on one thread 36.9 ms in slices of 2 x 2^18 against 47.5 in 2^18 and 40.1 in 4 x
+#: 2^18, with an imatrix 75.9 against 83.8 and 84.2 (best of four, ``scripts/micro_figures.py
+#: --q3-slices``); the 554M random llama to Q3_K_M end to end 16.7-16.9 s against 17.1-17.4
+#: (1.08-1.09x llama.cpp against 1.13-1.17x, ``scripts/bench_gguf.py --model synth4x --policy
+#: Q3_K_M``, two runs each, alternating)
+Q3_K_SLICE_FACTOR = 2
+
+
 def _q3_k_bytes(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, l: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Tail shared by the Q3_K quantizers: the 6-bit scales ``l`` (int32 [nb, 16], 0..63,
     stored biased by 32) and d (float32 [nb, 1]) give the requantization of ``x`` (float32
@@ -889,7 +900,7 @@ def _q3_k_bytes(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, l: torch.Ten
                       fp16_bytes(d)], dim=1)
 
 
-@sliced(search=True)
+@sliced(search=True, slice_factor=Q3_K_SLICE_FACTOR)
 def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     """llama.cpp ``quantize_row_q3_K_ref``: float32 [nb, 256] -> uint8 [nb, 110].
 
@@ -912,7 +923,7 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     return _q3_k_bytes(x, xs, L, l, d)
 
 
-@sliced(search=True)
+@sliced(search=True, slice_factor=Q3_K_SLICE_FACTOR)
 def quantize_q3_k_weighted(x: torch.Tensor, qw: torch.Tensor, row_sigma2: None = None) -> torch.Tensor:
     """llama.cpp ``quantize_row_q3_K_impl`` with ``quant_weights``: float32 [nb, 256] and
     the blocks' importance weights ``qw`` float32 [nb, 256] -> uint8 [nb, 110].

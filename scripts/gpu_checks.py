@@ -19,8 +19,10 @@ devices), ``pass`` (within the tolerances below) and the figures that decide the
   side.
 - ``batch``: ``python -m quantpress quantize batch`` on the job of ``tests/test_batch.py``
   (GGUF Q4_K_M and Q8_0, imatrix, AWQ g64, EXL2 4.0 and 5.0 with head_bits 8, eval), once with
-  device A and once with device B: exit codes, rows, wall times, and which outputs are
-  byte-identical.
+  device A and once with device B: exit codes, rows, wall times, which outputs are
+  byte-identical, the outputs that are not compared by kind (an imatrix by its importances,
+  :data:`IMATRIX_REL`; EXL2 and AWQ directories as the checks above), and each output's KL
+  divergence on both devices.
 
 A tolerance miss is recorded, not fatal. Exit codes: 0 the report is written (whatever the
 checks found), 1 a check or the script crashed (the report still holds what was done and the
@@ -71,8 +73,20 @@ AWQ_MAX_STEPS = 1.0
 #: 1 + 1e-6 N) gives the same picture on the CPU: 1.51 steps, 0.01-12%, 0.70% (at 1e-5 the
 #: allocation changes).
 EXL2_REL_ERR = 0.01
-#: batch: both runs exit 0 with every output made (byte identity is recorded, not required)
-BATCH_TOLERANCE = "exit code 0 and every row made on both devices"
+#: batch: an imatrix whose files differ between the devices must have the same tensors and
+#: token counts, and every importance (in_sum2 / count, what llama-quantize hands its
+#: quantizers) within this relative difference of the other device's. float32 sums in another
+#: order move them by 3.2e-7 at most on SmolLM2 (``quantize imatrix --samples 4 --seqlen 64``
+#: with ``--batch-tokens 64`` against 4096: every tensor differs; the thread count changes
+#: nothing); the margin is for CUDA's matmul and attention kernels, which round otherwise
+#: again (to be confirmed by the next device run, which records the figure).
+IMATRIX_REL = 1e-4
+#: batch: both runs exit 0 with every output made; outputs that differ between the devices are
+#: compared by kind (byte identity is recorded, not required)
+BATCH_TOLERANCE = ("exit code 0 and every row made on both devices; where the files differ, an "
+                   f"imatrix's importances within {IMATRIX_REL:g} (relative) with the same counts, "
+                   "an EXL2 directory as the exl2 check, an AWQ directory as the awq check "
+                   "(GGUF files and measurement.json: recorded)")
 
 #: default shapes of the ggml tensors: rows x columns (columns a multiple of 256)
 DEFAULT_SHAPES = "64x256,32x4096,1024x4096"
@@ -418,10 +432,78 @@ def run_batch(job: Path, out: Path, timeout_s: float) -> dict:
     return res
 
 
-def compare_batches(a: dict, b: dict) -> dict:
+def compare_imatrix(file_a: Path, file_b: Path) -> dict:
+    """Two GGUF imatrix files of the same model: {"identical" (byte-identical), "pass" (the
+    same tensors, counts equal, every importance within :data:`IMATRIX_REL` of the other's,
+    relative to the larger), "tensors", "counts_equal", "max_rel_diff" (over every value of
+    every tensor), "worst" (its tensor), "tolerance"}. Importances are
+    :meth:`Imatrix.importance`'s in_sum2 / count."""
+    import numpy as np
+    from quantpress.convert.imatrix_file import read_imatrix
+
+    ia, ib = read_imatrix(file_a), read_imatrix(file_b)
+    names_equal = sorted(ia.sums) == sorted(ib.sums)
+    counts_equal = names_equal and all(np.array_equal(ia.counts[n], ib.counts[n]) for n in ia.counts)
+    worst, worst_name = 0.0, None
+    if names_equal:
+        pa, pb = ia.importance(), ib.importance()
+        for n in sorted(pa):
+            if pa[n].shape != pb[n].shape:
+                worst, worst_name = math.inf, n
+                break
+            big = np.maximum(np.abs(pa[n]), np.abs(pb[n]))
+            rel = np.abs(pa[n] - pb[n]) / np.where(big > 0, big, 1)
+            m = float(rel.max()) if rel.size else 0.0
+            if not m <= worst:                              # (NaN counts as the worst)
+                worst, worst_name = m, n
+    same = file_a.read_bytes() == file_b.read_bytes()
+    return {"identical": same, "pass": names_equal and counts_equal and worst <= IMATRIX_REL,
+            "tensors": len(ia.sums), "names_equal": names_equal, "counts_equal": counts_equal,
+            "max_rel_diff": worst, "worst": worst_name,
+            "tolerance": f"same tensors and counts, importances within {IMATRIX_REL:g} (relative)"}
+
+
+def exl2_dir_allocation(path: Path) -> list[dict]:
+    """What an EXL2 directory chose per quantized linear: [{"linear", "q_groups" (exllamav2's
+    (bits, first row) pairs of its groups)}], in the directory's order; for
+    :func:`compare_exl2` where no :class:`Summary` is at hand (the batch's outputs)."""
+    from quantpress.convert.exl2_dir import EXL2Weights
+
+    w = EXL2Weights(path)
+    try:
+        return [{"linear": m, "q_groups": w.q_tensors(m)["q_groups"].tolist()} for m in w.quantized]
+    finally:
+        w.close()
+
+
+def compare_outputs(path: str, dir_a: Path, dir_b: Path, model: Path) -> dict | None:
+    """One batch output that differs between the devices (``path`` under ``dir_a`` and
+    ``dir_b``), compared by its kind: an imatrix (:func:`compare_imatrix`), an EXL2 directory
+    (:func:`compare_exl2`, the allocation read from the directories), an AWQ directory
+    (:func:`compare_awq`); None for the others (GGUF files, quantized with each device's
+    imatrix; measurement.json)."""
+    from quantpress.convert.awq_dir import is_awq_dir
+    from quantpress.convert.exl2_dir import is_exl2_dir
+
+    fa, fb = dir_a / path, dir_b / path
+    if path.endswith(".imatrix.gguf"):
+        return compare_imatrix(fa, fb)
+    if fa.is_dir() and is_exl2_dir(fa):
+        return compare_exl2(fa, fb, exl2_dir_allocation(fa), exl2_dir_allocation(fb), model)
+    if fa.is_dir() and is_awq_dir(fa):
+        return compare_awq(fa, fb)
+    return None
+
+
+def compare_batches(a: dict, b: dict, dir_a: Path | None = None, dir_b: Path | None = None,
+                    model: Path | None = None) -> dict:
     """Check 3 from two :func:`run_batch` results: {"identical" (every output's files have
     the same SHA-256 on both), "pass" (:data:`BATCH_TOLERANCE`), "outputs_identical":
-    {path: bool}, "a", "b"} (the manifests' checksums are dropped from "a" and "b")."""
+    {path: bool}, "compared": {path: the comparison of :func:`compare_outputs`} for the
+    outputs made on both whose files differ (with ``dir_a``/``dir_b``, the model's output
+    folders, and ``model``, its source directory), "eval": {path: {"kld_a", "kld_b",
+    "rel_diff"}} for the outputs both evaluated, "a", "b"} (the manifests' checksums are
+    dropped from "a" and "b")."""
     ma, mb = a.get("manifest", {}), b.get("manifest", {})
     paths = sorted(set(ma) | set(mb))
     same = {p: p in ma and p in mb and ma[p]["files"] == mb[p]["files"] and bool(ma[p]["files"])
@@ -435,8 +517,24 @@ def compare_batches(a: dict, b: dict) -> dict:
         d["eval"] = {p: v["eval"] for p, v in r.get("manifest", {}).items()}
         return d
 
-    return {"identical": bool(paths) and all(same.values()), "pass": ok(a) and ok(b),
-            "tolerance": BATCH_TOLERANCE, "outputs_identical": same, "a": slim(a), "b": slim(b)}
+    compared = {}
+    if dir_a is not None and dir_b is not None:
+        for p in paths:
+            if not same[p] and p in ma and p in mb and ma[p]["files"] and mb[p]["files"]:
+                c = compare_outputs(p, dir_a, dir_b, model)
+                if c is not None:
+                    compared[p] = c
+    evals = {}
+    for p in paths:
+        ea, eb = (m.get(p, {}).get("eval") or {} for m in (ma, mb))
+        if isinstance(ea.get("kld"), (int, float)) and isinstance(eb.get("kld"), (int, float)):
+            ka, kb = float(ea["kld"]), float(eb["kld"])
+            big = max(abs(ka), abs(kb))
+            evals[p] = {"kld_a": ka, "kld_b": kb, "rel_diff": abs(ka - kb) / big if big > 0 else 0.0}
+    return {"identical": bool(paths) and all(same.values()),
+            "pass": ok(a) and ok(b) and all(c["pass"] for c in compared.values()),
+            "tolerance": BATCH_TOLERANCE, "outputs_identical": same, "compared": compared,
+            "eval": evals, "a": slim(a), "b": slim(b)}
 
 
 # ---- inputs -----------------------------------------------------------------------------------
@@ -658,7 +756,7 @@ def run_checks(args: argparse.Namespace, work: Path, report: Report) -> None:
                 out = work / f"batch-{side}"
                 shutil.rmtree(out, ignore_errors=True)
                 res[side] = run_batch(job, out, args.batch_timeout)
-            return compare_batches(res["a"], res["b"])
+            return compare_batches(res["a"], res["b"], work / "batch-a" / "tiny", work / "batch-b" / "tiny", model)
         report.record("batch", batch)
 
 

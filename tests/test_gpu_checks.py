@@ -78,6 +78,8 @@ def test_cpu_against_cpu_is_identical_everywhere(smoke):
         assert b[side]["exit_code"] == 0 and b[side]["seconds"] > 0
         assert {row["path"] for row in b[side]["rows"]} == paths
         assert b[side]["eval"]["tiny-Q8_0.gguf"]["kld"] >= 0
+    assert b["compared"] == {}                  # (nothing differs)
+    assert b["eval"]["tiny-Q8_0.gguf"]["rel_diff"] == 0.0 and b["eval"]["tiny-Q8_0.gguf"]["kld_a"] >= 0
 
 
 def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
@@ -132,6 +134,42 @@ def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
     assert c["identical"] is False and c["pass"] is True
     failed = dict(ok, exit_code=3, rows=[{"path": "x.gguf", "status": "failed"}])
     assert gpu_checks.compare_batches(ok, failed)["pass"] is False
+
+    # batch outputs that differ, compared by kind: the imatrix with one importance moved by
+    # 3x IMATRIX_REL fails, by a third of it passes; an EXL2 output with one linear 5% larger fails
+    from quantpress.convert.imatrix_file import read_imatrix, write_imatrix
+
+    src_a = work / "batch-a" / "tiny"
+    im_path, exl2_path = "tiny.imatrix.gguf", "tiny-EXL2-4.0bpw"
+    rows = [{"path": im_path, "status": "made"}, {"path": exl2_path, "status": "made"}]
+
+    def run(digest: str, kld: float) -> dict:
+        return {"exit_code": 0, "seconds": 1.0, "rows": rows,
+                "manifest": {p: {"files": {p: digest}, "eval": {"kld": kld}, "roundtrip": "ok"}
+                             for p in (im_path, exl2_path)}}
+    for factor, passes in ((1 + 3 * gpu_checks.IMATRIX_REL, False), (1 + gpu_checks.IMATRIX_REL / 3, True)):
+        side_b = tmp_path / f"batch-b-{passes}"
+        side_b.mkdir()
+        shutil.copytree(src_a / exl2_path, side_b / exl2_path)
+        im = read_imatrix(src_a / im_path)
+        name = sorted(im.sums)[3]
+        im.sums[name][0, 5] *= factor
+        write_imatrix(side_b / im_path, im)
+        if not passes:
+            f = side_b / exl2_path / "output.safetensors"
+            tensors = load_file(f)
+            tensors["model.layers.1.self_attn.o_proj.q_scale_max"] *= 1.05
+            save_file(tensors, f, metadata={"format": "pt"})
+        c = gpu_checks.compare_batches(run("00", 0.010), run("11", 0.012), src_a, side_b, model)
+        assert c["identical"] is False and c["pass"] is passes
+        ci = c["compared"][im_path]
+        assert ci["identical"] is False and ci["pass"] is passes and ci["worst"] == name and ci["counts_equal"]
+        assert abs(ci["max_rel_diff"] - (factor - 1) / factor) < 1e-6
+        ce = c["compared"][exl2_path]
+        assert ce["allocation_identical"] and ce["pass"] is passes and ce["identical"] is passes
+        if not passes:
+            assert ce["linears"]["model.layers.1.self_attn.o_proj"]["pass"] is False
+        assert c["eval"][im_path] == {"kld_a": 0.010, "kld_b": 0.012, "rel_diff": pytest.approx(1 / 6)}
 
     # ggml: device B's bytes differ in one bit (device "cpu-b" = the CPU, one byte flipped)
     real = gpu_checks.time_quantize

@@ -77,9 +77,10 @@ EXL2_REL_ERR = 0.01
 #: token counts, and every importance (in_sum2 / count, what llama-quantize hands its
 #: quantizers) within this relative difference of the other device's. float32 sums in another
 #: order move them by 3.2e-7 at most on SmolLM2 (``quantize imatrix --samples 4 --seqlen 64``
-#: with ``--batch-tokens 64`` against 4096: every tensor differs; the thread count changes
-#: nothing); the margin is for CUDA's matmul and attention kernels, which round otherwise
-#: again (to be confirmed by the next device run, which records the figure).
+#: with ``--batch-tokens 64`` against 4096, then ``--compare-imatrix A B``: every tensor
+#: differs; OMP_NUM_THREADS 1 against 2 changes nothing); the margin is for CUDA's matmul and
+#: attention kernels, which round otherwise again (to be confirmed by the next device run,
+#: which records the figure).
 IMATRIX_REL = 1e-4
 #: batch: both runs exit 0 with every output made; outputs that differ between the devices are
 #: compared by kind (byte identity is recorded, not required)
@@ -636,6 +637,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hessian-noise", type=float, default=0.0, metavar="EPS",
                    help="device B's EXL2 pass: every Hessian times 1 + EPS x N (N symmetric, standard "
                         "normal), to see what float32 sums in another order do to the exl2 check")
+    p.add_argument("--compare-imatrix", nargs=2, type=Path, metavar=("A", "B"),
+                   help="only compare two imatrix files as the batch check does (JSON on stdout)")
     return p.parse_args(argv)
 
 
@@ -764,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 report written, 1 a crash (recorded in the report when it got that far),
     2 device B is CUDA and CUDA is not available."""
     args = parse_args(argv)
+    if args.compare_imatrix:
+        print(json.dumps(compare_imatrix(*args.compare_imatrix), indent=1))
+        return 0
     import torch
 
     if args.device_b.startswith("cuda") and not torch.cuda.is_available():

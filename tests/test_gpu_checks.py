@@ -82,7 +82,7 @@ def test_cpu_against_cpu_is_identical_everywhere(smoke):
     assert b["eval"]["tiny-Q8_0.gguf"]["rel_diff"] == 0.0 and b["eval"]["tiny-Q8_0.gguf"]["kld_a"] >= 0
 
 
-def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
+def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch, capsys):
     """The same comparison functions on outputs made to differ: not identical, and the
     tolerances fail where the difference exceeds them."""
     import gpu_checks
@@ -170,6 +170,9 @@ def test_the_comparisons_see_differences(smoke, tmp_path, monkeypatch):
         if not passes:
             assert ce["linears"]["model.layers.1.self_attn.o_proj"]["pass"] is False
         assert c["eval"][im_path] == {"kld_a": 0.010, "kld_b": 0.012, "rel_diff": pytest.approx(1 / 6)}
+        # the same comparison from the command line
+        assert gpu_checks.main(["--compare-imatrix", str(src_a / im_path), str(side_b / im_path)]) == 0
+        assert json.loads(capsys.readouterr().out) == ci
 
     # ggml: device B's bytes differ in one bit (device "cpu-b" = the CPU, one byte flipped)
     real = gpu_checks.time_quantize

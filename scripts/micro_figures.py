@@ -654,6 +654,15 @@ def numpy_searches() -> None:
     for name, (tf, nf) in ops.items():
         t_us, n_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (tf, nf))
         print(f"one {name:12s} on [8192]: torch {t_us:5.2f} us, NumPy {n_us:5.2f} us")
+    # NumPy's Python wrappers against what kquants._NumpyOps calls instead, on [512] (the size
+    # of the Q3_K descent's later passes)
+    li = (np.random.default_rng(0).random(512) * 10 - 5).astype(np.int32)
+    lm = li > 0
+    for name, wrapper, ours in (("clip", lambda: np.clip(li, -4, 3), lambda: kquants._NumpyOps.clip(li, -4, 3)),
+                                ("flatnonzero", lambda: np.flatnonzero(lm), lambda: kquants._NumpyOps.flatnonzero(lm))):
+        assert np.array_equal(wrapper(), ours())
+        w_us, o_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (wrapper, ours))
+        print(f"np.{name:11s} on [512]: {w_us:5.2f} us, _NumpyOps.{name} {o_us:5.2f} us")
     for way, flag, gathered in (("NumPy", True, True), ("NumPy, whole rows", True, False),
                                 ("torch", False, False)):
         use(flag)

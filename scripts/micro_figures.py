@@ -747,7 +747,8 @@ def levels_bytes() -> None:
     of 32): ``kquants._requant_bytes`` (block order, bytes through int32) against the same
     float ops and range check positions first followed by the transpose back to block order
     and a direct float32 -> uint8 conversion (its form before), and that conversion alone
-    against through int32 on [16, 16384]; the extremes of a Q6_K slice's 16,384 sub-blocks of
+    against through int32 on [16, 16384]; Q3_K's hmask of a 2^19-value slice (uint8 shift and
+    ORs, as ``kquants._q3_k_bytes`` makes it, against a comparison and int32 sums); the extremes of a Q6_K slice's 16,384 sub-blocks of
     16 along rows (block order) and along the first axis (positions first), which
     ``_requant_bytes``' range check takes; a masked_fill_ of [32, 8192] with an [8192] mask
     (the searches' final fill of degenerate sub-blocks): microseconds, best of five rounds of
@@ -776,9 +777,25 @@ def levels_bytes() -> None:
         return t.t().contiguous().reshape(nb, 256).to(torch.uint8)
 
     Lf = torch.randint(0, 64, (16, 16384), generator=g).to(torch.float32)
+    # Q3_K's hmask of a 2^19-value slice's levels 0..7: what kquants._q3_k_bytes does (uint8
+    # shift, 7 ORs) against its form before (a uint8 comparison, int32 shifts summed over j)
+    nb3 = 2048
+    L3 = torch.randint(0, 8, (nb3, 256), generator=g, dtype=torch.uint8)
+
+    def hmask_ors():
+        h = (L3 >> 2).reshape(nb3, 8, 32)
+        out = h[:, 0].clone()
+        for j in range(1, 8):
+            out |= h[:, j] << j
+        return out
+
+    def hmask_sum():
+        hb = (L3 > 3).to(torch.int32).reshape(nb3, 8, 32)
+        return (hb << torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)).sum(1, dtype=torch.int32).to(torch.uint8)
     for what, new, old in (
             ("requantization to bytes", lambda: kquants._requant_bytes(x, xs, mj, dj, 0, 15, L), positions_first),
-            ("float32 -> uint8", lambda: Lf.to(torch.int32).to(torch.uint8), lambda: Lf.to(torch.uint8))):
+            ("float32 -> uint8", lambda: Lf.to(torch.int32).to(torch.uint8), lambda: Lf.to(torch.uint8)),
+            ("Q3_K hmask, 2^19 values", hmask_ors, hmask_sum)):
         same = torch.equal(new(), old())
         t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
         print(f"{what:24s}: now {t_new:6.1f} us, before {t_old:6.1f} us (same: {same})")
@@ -792,7 +809,7 @@ def levels_bytes() -> None:
     fill = best_ms(lambda: [L32.masked_fill_(mask, 0.0) for _ in range(50)]) / 50 * 1e3
     print(f"masked_fill_ of [32, 8192] with an [8192] mask: {fill:6.1f} us")
     v = torch.randn(512, 4096, generator=g) * 0.02
-    for t in ("Q4_K", "Q6_K"):
+    for t in ("Q4_K", "Q6_K", "Q3_K"):
         print(f"{t} of 2M values: {best_ms(lambda t=t: ggml.quantize(v, t), n=4):6.1f} ms")
 
 

@@ -759,7 +759,8 @@ def run_checks(args: argparse.Namespace, work: Path, report: Report) -> None:
                 out = work / f"batch-{side}"
                 shutil.rmtree(out, ignore_errors=True)
                 res[side] = run_batch(job, out, args.batch_timeout)
-            return compare_batches(res["a"], res["b"], work / "batch-a" / "tiny", work / "batch-b" / "tiny", model)
+            return compare_batches(res["a"], res["b"], work / "batch-a" / "tiny", work / "batch-b" / "tiny",
+                                   model)
         report.record("batch", batch)
 
 

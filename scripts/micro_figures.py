@@ -658,8 +658,9 @@ def numpy_searches() -> None:
     # of the Q3_K descent's later passes)
     li = (np.random.default_rng(0).random(512) * 10 - 5).astype(np.int32)
     lm = li > 0
-    for name, wrapper, ours in (("clip", lambda: np.clip(li, -4, 3), lambda: kquants._NumpyOps.clip(li, -4, 3)),
-                                ("flatnonzero", lambda: np.flatnonzero(lm), lambda: kquants._NumpyOps.flatnonzero(lm))):
+    ops_ = kquants._NumpyOps
+    for name, wrapper, ours in (("clip", lambda: np.clip(li, -4, 3), lambda: ops_.clip(li, -4, 3)),
+                                ("flatnonzero", lambda: np.flatnonzero(lm), lambda: ops_.flatnonzero(lm))):
         assert np.array_equal(wrapper(), ours())
         w_us, o_us = (best_ms(lambda f=f: [f() for _ in range(2000)], n=3) / 2 for f in (wrapper, ours))
         print(f"np.{name:11s} on [512]: {w_us:5.2f} us, _NumpyOps.{name} {o_us:5.2f} us")
@@ -747,9 +748,10 @@ def levels_bytes() -> None:
     of 32): ``kquants._requant_bytes`` (block order, bytes through int32) against the same
     float ops and range check positions first followed by the transpose back to block order
     and a direct float32 -> uint8 conversion (its form before), and that conversion alone
-    against through int32 on [16, 16384]; Q3_K's hmask of a 2^19-value slice (uint8 shift and
-    ORs, as ``kquants._q3_k_bytes`` makes it, against a comparison and int32 sums); the extremes of a Q6_K slice's 16,384 sub-blocks of
-    16 along rows (block order) and along the first axis (positions first), which
+    against through int32 on [16, 16384]; Q3_K's hmask of a 2^19-value slice
+    (``kquants._q3_hmask``, uint8 shifts and ORs, against a comparison and int32 sums); the
+    extremes of a Q6_K slice's 16,384 sub-blocks of 16 along rows (block order) and along the
+    first axis (positions first), which
     ``_requant_bytes``' range check takes; a masked_fill_ of [32, 8192] with an [8192] mask
     (the searches' final fill of degenerate sub-blocks): microseconds, best of five rounds of
     50, one thread, heap bounded; then Q4_K and Q6_K of 2M values."""
@@ -777,25 +779,19 @@ def levels_bytes() -> None:
         return t.t().contiguous().reshape(nb, 256).to(torch.uint8)
 
     Lf = torch.randint(0, 64, (16, 16384), generator=g).to(torch.float32)
-    # Q3_K's hmask of a 2^19-value slice's levels 0..7: what kquants._q3_k_bytes does (uint8
-    # shift, 7 ORs) against its form before (a uint8 comparison, int32 shifts summed over j)
+    # Q3_K's hmask of a 2^19-value slice's levels 0..7 (kquants._q3_hmask: a uint8 shift and
+    # ORs) against its form before (a uint8 comparison, int32 shifts summed over j)
     nb3 = 2048
     L3 = torch.randint(0, 8, (nb3, 256), generator=g, dtype=torch.uint8)
-
-    def hmask_ors():
-        h = (L3 >> 2).reshape(nb3, 8, 32)
-        out = h[:, 0].clone()
-        for j in range(1, 8):
-            out |= h[:, j] << j
-        return out
+    shifts = torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)
 
     def hmask_sum():
         hb = (L3 > 3).to(torch.int32).reshape(nb3, 8, 32)
-        return (hb << torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)).sum(1, dtype=torch.int32).to(torch.uint8)
+        return (hb << shifts).sum(1, dtype=torch.int32).to(torch.uint8)
     for what, new, old in (
             ("requantization to bytes", lambda: kquants._requant_bytes(x, xs, mj, dj, 0, 15, L), positions_first),
             ("float32 -> uint8", lambda: Lf.to(torch.int32).to(torch.uint8), lambda: Lf.to(torch.uint8)),
-            ("Q3_K hmask, 2^19 values", hmask_ors, hmask_sum)):
+            ("Q3_K hmask, 2^19 values", lambda: kquants._q3_hmask(L3), hmask_sum)):
         same = torch.equal(new(), old())
         t_new, t_old = (best_ms(lambda f=f: [f() for _ in range(50)]) / 50 * 1e3 for f in (new, old))
         print(f"{what:24s}: now {t_new:6.1f} us, before {t_old:6.1f} us (same: {same})")

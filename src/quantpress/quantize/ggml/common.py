@@ -433,8 +433,8 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False, slice_fac
     the CPU, so that a float16/bfloat16 input is never copied whole into float32 (nor into a
     codec process's shared area: the process widens its slices itself).
     Other devices: ``fn(x in float32, *more)`` once. CPU: the rows are cut into slices of about
-    ``slice_factor`` x :data:`CPU_SLICE_ELEMENTS` elements (the factor: a codec's own, read
-    with the constant at the call) and the results concatenated in order. The codecs
+    ``slice_factor`` (a codec's own, :func:`sliced`) times :data:`CPU_SLICE_ELEMENTS` (read at
+    the call) elements and the results concatenated in order. The codecs
     issue thousands of small elementwise ops, for which torch's intra-op (OpenMP) threading
     costs more than it brings (and stalls badly on a busy machine), so ops run single-threaded
     and, from :data:`CPU_PARALLEL_ELEMENTS` elements up, the slices are dealt round-robin to as

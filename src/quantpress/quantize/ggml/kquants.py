@@ -901,16 +901,22 @@ def _q3_k_bytes(x: torch.Tensor, xs: torch.Tensor, L: torch.Tensor, l: torch.Ten
 
     # requantize: sc = stored 6-bit scale - 32
     dj = (fp16_round(d) * (l - 32).to(torch.float32)).reshape(1, -1)
-    Lb = _requant_bytes(x, xs, None, dj, -4, 3, L)             # 0..7
-    # hmask[m] bit j: the high bit (4) of level 32j + m. In uint8 shifts and ORs: on the CPU
-    # torch's uint8 comparison Lb > 3 takes 10x Lb >> 2, and the int32 shifts and sum over j
-    # cost more than these 7 ORs (a 2^19-value slice's hmask 0.29 ms against 0.52,
-    # ``scripts/micro_figures.py --levels``)
-    h = (Lb >> 2).reshape(nb, 8, 32)
+    Lb = _requant_bytes(x, xs, None, dj, -4, 3, L)
+    return torch.cat([_q3_hmask(Lb), _pack_2bit(Lb & 3), (scales & 0xFF).to(torch.uint8), fp16_bytes(d)],
+                     dim=1)
+
+
+def _q3_hmask(Lb: torch.Tensor) -> torch.Tensor:
+    """Q3_K's hmask: uint8 [nb, 256] levels 0..7 -> uint8 [nb, 32] whose byte m holds in bit j
+    the high bit (4) of level 32j + m. By uint8 shifts and ORs: on the CPU torch's uint8
+    comparison ``Lb > 3`` takes 10x ``Lb >> 2``, and int32 shifts summed over j cost more than
+    these 7 ORs (a 2^19-value slice's hmask 0.29 ms against 0.52, ``scripts/micro_figures.py
+    --levels``)."""
+    h = (Lb >> 2).reshape(Lb.shape[0], 8, 32)
     hmask = h[:, 0].clone()
     for j in range(1, 8):
         hmask |= h[:, j] << j
-    return torch.cat([hmask, _pack_2bit(Lb & 3), (scales & 0xFF).to(torch.uint8), fp16_bytes(d)], dim=1)
+    return hmask
 
 
 @sliced(search=True, slice_factor=Q3_K_SLICE_FACTOR)

@@ -770,10 +770,8 @@ def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
         sl2 = sl2_a - wl * li
         new_l = xp.cap(xp.nearest_int(xi * sl2 / slx), nmax)
         if not xp.GATHERS:
-            nl = xp.float32(new_l)
-            slx2 = slx + wxi * nl
-            sl22 = sl2 + wi * nl * nl
-            accept = (slx > 0) & (sl2 > 0) & (new_l != La[i]) & (slx2 * slx2 * sl2_a > slx_a * slx_a * sl22)
+            slx2, sl22, accept = _qp_test(xp.float32(new_l), slx, sl2, wi, wxi, slx_a, sl2_a)
+            accept &= (slx > 0) & (sl2 > 0) & (new_l != La[i])
             La[i] = xp.where(accept, new_l & 0xFF, La[i])
             changed |= accept
             return xp.where(accept, slx2, slx_a), xp.where(accept, sl22, sl2_a)
@@ -783,11 +781,7 @@ def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
         k = xp.flatnonzero(k)
         if k.shape[0]:
             nk = new_l[k]
-            nl = xp.float32(nk)
-            slx2 = slx[k] + wxi[k] * nl
-            sl22 = sl2[k] + wi[k] * nl * nl
-            s_k = slx_a[k]
-            accept = slx2 * slx2 * sl2_a[k] > s_k * s_k * sl22
+            slx2, sl22, accept = _qp_test(xp.float32(nk), slx[k], sl2[k], wi[k], wxi[k], slx_a[k], sl2_a[k])
             kk = k[accept]
             La[i][kk] = nk[accept] & 0xFF
             slx_a[kk] = slx2[accept]
@@ -796,6 +790,17 @@ def _qp_descent(xp, x, w, wx, L, sumlx, suml2, nmax: int):
         return slx_a, sl2_a
 
     return _descent_passes(xp, (x, w, wx), L, sumlx, suml2, position)
+
+
+def _qp_test(nl, slx, sl2, w, wx, slx_a, sl2_a):
+    """C's test in make_qp_quants' descent for a level ``nl`` (float32) at one position: with
+    ``slx``, ``sl2`` the sums without the position, the sums with the new level and whether
+    ``slx*slx*suml2 > sumlx*sumlx*sl2`` (``slx_a``, ``sl2_a``: the sums now; the callers add
+    C's conditions on slx, sl2 and the level). All arrays of one shape and kind (torch or
+    NumPy); returns (slx2, sl22, accept bool)."""
+    slx2 = slx + wx * nl
+    sl22 = sl2 + w * nl * nl
+    return slx2, sl22, slx2 * slx2 * sl2_a > slx_a * slx_a * sl22
 
 
 # ============================================================================ Q2_K

@@ -6,7 +6,8 @@ statistics (Σx² of every decoder-layer linear input, what ``quantize imatrix``
 Each mode runs in a fresh subprocess (so peak RSS is its own):
 
 - ``stream``: ``calibration.engine.run(StreamingModel(dir), rows, StatsCollector(kinds={"sq"}))``
-  — one decoder layer's weights at a time, hidden states of all rows kept (two copies);
+  (``keep_inputs=False``, as ``quantize imatrix`` runs it) — one decoder layer's weights at a
+  time, the hidden states of all rows held once (each batch's outputs written over its inputs);
 - ``plain``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)``, the decoder
   (``model.model``, no lm_head: calibration needs no logits) over the same rows in the same
   batches, with the same forward hooks.
@@ -28,10 +29,10 @@ live peak, which the formula predicts (a fixed threshold costs ≈30% of the spe
 temporary is a fresh mmap; trimming once per layer costs nothing and removes most of the
 growth):
 
-    M_stream ≈ M_base + max(W_embed + H/2,  W_layer + H + A)
+    M_stream ≈ M_base + max(W_embed + H,  W_layer + H + A)
     W_embed  = vocab × hidden × bytes(dtype)              (step 0: the embedding, then freed)
     W_layer  = params of one decoder layer × bytes(dtype) (the layer being run)
-    H        = 2 × rows × seqlen × hidden × bytes(dtype)  (the layer's inputs and outputs)
+    H        = rows × seqlen × hidden × bytes(dtype)      (the hidden states, held once)
     A        ≈ batch_rows × seqlen × (3·ffn + 4·hidden) × bytes(dtype)
                (one batch's temporaries: MLP gate/up/product, attention projections; SDPA
                does not materialize the seqlen² scores)
@@ -116,7 +117,7 @@ def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, s
         from quantpress.runtime import trim_heap
 
         engine.run(sm, toks, hooks_factory=col, batch_size=batch_rows, hidden_device="cpu", progress=False,
-                   on_layer=trim_heap if trim else None)
+                   on_layer=trim_heap if trim else None, keep_inputs=False)
         secs = time.perf_counter() - t0
     else:
         from transformers import AutoModelForCausalLM
@@ -160,10 +161,10 @@ def expected(model_dir: Path, rows: int, seqlen: int, batch_rows: int, bytes_per
                 if k.startswith("model.layers.0."):
                     layer0 += n
     terms = {"W_layer": layer0 * bytes_per, "W_embed": vocab * h * bytes_per,
-             "H": 2 * rows * seqlen * h * bytes_per,
+             "H": rows * seqlen * h * bytes_per,
              "A": batch_rows * seqlen * (3 * ffn + 4 * h) * bytes_per,
              "W_model": total * bytes_per}
-    terms["stream"] = max(terms["W_embed"] + terms["H"] // 2, terms["W_layer"] + terms["H"] + terms["A"])
+    terms["stream"] = max(terms["W_embed"] + terms["H"], terms["W_layer"] + terms["H"] + terms["A"])
     terms["plain"] = terms["W_model"] + terms["A"]
     return terms
 
@@ -216,9 +217,9 @@ def main(argv=None) -> int:
     mem = (fs["peak_anon"] - fs["base_anon"]) / max(1, fp["peak_anon"] - fp["base_anon"])
     print(f"throughput ratio stream/plain: {ratio:.2f} (target >= 0.8); live memory above baseline, "
           f"stream/plain: {mem:.2f}")
-    print("expected above baseline: stream max(W_embed {W_embed_m:.0f} + H/2 {Hh:.0f}, W_layer {W_layer_m:.1f} "
-          "+ H {H_m:.0f} + A {A_m:.0f}) = {stream_m:.0f} MiB; plain W_model {W_model_m:.0f} + A = {plain_m:.0f} MiB"
-          .format(Hh=exp["H"] / 2 / mib, **{k + "_m": v / mib for k, v in exp.items()}))
+    print("expected above baseline: stream max(W_embed {W_embed_m:.0f} + H {H_m:.0f}, W_layer {W_layer_m:.1f} "
+          "+ H + A {A_m:.0f}) = {stream_m:.0f} MiB; plain W_model {W_model_m:.0f} + A = {plain_m:.0f} MiB"
+          .format(**{k + "_m": v / mib for k, v in exp.items()}))
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": [{"allocator": k[0], **v} for k, v in res.items()],
                                                "ratio": ratio, "expected": exp}, indent=1))

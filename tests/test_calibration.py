@@ -178,6 +178,47 @@ def test_on_layer_output_feeds_next_layer(tiny):
     torch.testing.assert_close(h, replaced[-1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("hidden_device", ["cpu", None])
+def test_hidden_states_held_once_without_inputs(tiny, hidden_device):
+    """keep_inputs=False: every layer's outputs are written over its inputs (one buffer for
+    the whole pass, on_layer given None for the inputs), with the same values as the pass
+    that keeps both copies, in batches of 2 rows of 3 and with the capture hooks' statistics
+    unchanged; a FanOut keeps the inputs only for a consumer whose on_layer may read them."""
+    toks = _tokens(seed=9)
+    sm = engine.StreamingModel(tiny["llama"], "cpu", torch.float32)
+    kept, col_kept = [], stats.StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
+    h_kept = engine.run(sm, toks, hooks_factory=col_kept, batch_size=2, hidden_device=hidden_device,
+                        progress=False,
+                        on_layer=lambda i, layer, x, y, ctx: kept.append((x.data_ptr(), y.data_ptr())))
+    once, col_once = [], stats.StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
+
+    def on_layer(i, layer, x, y, ctx):
+        assert x is None
+        once.append(y.data_ptr())
+
+    h_once = engine.run(sm, toks, hooks_factory=col_once, batch_size=2, hidden_device=hidden_device,
+                        progress=False, on_layer=on_layer, keep_inputs=False)
+    assert torch.equal(h_once, h_kept)
+    assert len(once) == 3 and len(set(once)) == 1 and h_once.data_ptr() == once[0]
+    assert all(x != y for x, y in kept)     # (the default pass: a new output buffer per layer)
+    for name, st in col_kept.stats.items():
+        assert torch.equal(st.imatrix()[0], col_once[name].imatrix()[0])
+
+    class Reads:
+        def on_layer(self, *a):
+            pass
+
+    class Unused(Reads):
+        inputs_unused = True
+
+    class HooksOnly:
+        def hooks(self, index, layer):
+            return None
+
+    assert not engine.FanOut([HooksOnly(), Unused()]).keep_inputs
+    assert engine.FanOut([HooksOnly(), Unused(), Reads()]).keep_inputs
+
+
 def test_fanout_side_by_side_consumers_see_their_own_parameters(tiny):
     """Consumers of a shared pass run side by side (threads=2): one swaps a weight of its copy
     of the layer while the other, at the same moment (both inside on_layer, held by a
@@ -348,6 +389,36 @@ def test_sharded_index_is_used(tiny):
     assert len(set(idx["weight_map"].values())) > 1
     w = engine.SafetensorsDir(tiny["llama_sharded"])
     assert set(w.keys()) == set(idx["weight_map"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/self/maps (Linux)")
+def test_pass_keeps_no_checkpoint_mapped(tiny):
+    """A streamed pass leaves no safetensors file of the model mapped into the process after
+    any layer (a kept handle's map would hold every page read: RSS growing by the checkpoint
+    over the pass), and the reads give the same tensors as safetensors' own load of the
+    files' bytes."""
+    from safetensors.torch import load
+
+    model = tiny["llama_sharded"]
+    files = [str(f) for f in sorted(model.glob("*.safetensors"))]
+    assert len(files) > 1
+
+    def mapped() -> list[str]:
+        text = Path("/proc/self/maps").read_text()
+        return [f for f in files if f in text]
+
+    sm = engine.StreamingModel(model, "cpu", torch.float32)
+    seen = []
+    engine.run(sm, _tokens(seed=5), batch_size=2, progress=False,
+               on_layer=lambda i, *a: seen.append(mapped()))
+    assert seen == [[], [], []] and mapped() == []
+    w = engine.SafetensorsDir(model)
+    whole = {k: v for f in files for k, v in load(Path(f).read_bytes()).items()}
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(w.get(name), whole[name])
+    assert torch.equal(w.get_rows("model.embed_tokens.weight", 5, 9), whole["model.embed_tokens.weight"][5:9])
+    assert w.shape("model.norm.weight") == tuple(whole["model.norm.weight"].shape)
+    assert mapped() == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ rotary embedding class and its attention-mask functions. Then, one decoder layer
 that layer's tensors are read from the safetensors files (``safetensors.safe_open``, with
 ``model.safetensors.index.json`` shards) onto the compute device and the layer runs over the
 hidden states of all calibration rows, batch by batch. Only one layer's weights plus the
-hidden states (two copies: the layer's inputs and outputs) are held; the hidden states can be
-kept on CPU and moved to the device one batch slice at a time.
+hidden states (two copies: the layer's inputs and outputs; one where no consumer needs the
+inputs after the layer, each batch's outputs written over its inputs) are held; the hidden
+states can be kept on CPU and moved to the device one batch slice at a time.
 
 The computation is the one of ``AutoModelForCausalLM.forward`` (transformers 5.x): embedding,
 ``position_ids = arange(seqlen)``, ``rotary_emb(hidden, position_ids)`` once, the causal
@@ -51,7 +52,13 @@ OnLayer = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, "LayerContext"],
 class SafetensorsDir:
     """Tensors of a model directory by checkpoint name, read one at a time with
     ``safetensors.safe_open`` (memory-mapped; nothing else is read). Handles a single
-    ``model.safetensors`` or shards listed in ``model.safetensors.index.json``."""
+    ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+    Every read opens its file and closes it again: a safetensors handle keeps its memory map,
+    and the pages read through it would stay in the process's RSS, so that a pass over every
+    layer would end holding the whole checkpoint: ``quantize imatrix`` of SmolLM2 at 128 x 512
+    tokens peaked at 1,129 MiB RSS with the handles kept, at 875 MiB with a handle per read
+    (``scripts/bench_imatrix.py --samples 128``), in the same time."""
 
     def __init__(self, model_dir: str | Path):
         from safetensors import safe_open
@@ -78,7 +85,6 @@ class SafetensorsDir:
                             self._files[name] = f
                 except Exception as e:
                     raise InputError(f"{f}: not a readable safetensors file ({e})") from e
-        self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
@@ -90,36 +96,38 @@ class SafetensorsDir:
     def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` on ``device``; floating tensors cast to ``dtype`` if given.
         Raises InputError if the tensor is absent or its file unreadable."""
-        t = self._handle(name).get_tensor(name)
+        with self._handle(name) as h:
+            t = h.get_tensor(name)
         if dtype is not None and t.is_floating_point():
             return t.to(device=device, dtype=dtype)
         return t.to(device=device)
 
     def _handle(self, name: str):
+        """A new ``safe_open`` handle of the file holding ``name`` (a context manager: the
+        caller closes it)."""
         from safetensors import safe_open
 
         f = self._files.get(name)
         if f is None:
             raise InputError(f"{self.dir}: tensor '{name}' not found in the checkpoint")
-        h = self._open.get(f)
-        if h is None:
-            if not f.is_file():
-                raise InputError(f"{f}: shard listed in the index is missing (needed for '{name}')")
-            try:
-                h = self._open[f] = safe_open(str(f), framework="pt", device="cpu")
-            except Exception as e:
-                raise InputError(f"{f}: not a readable safetensors file ({e})") from e
-        return h
+        if not f.is_file():
+            raise InputError(f"{f}: shard listed in the index is missing (needed for '{name}')")
+        try:
+            return safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:
+            raise InputError(f"{f}: not a readable safetensors file ({e})") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` (read from the header only). Raises InputError if absent."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        with self._handle(name) as h:
+            return tuple(h.get_slice(name).get_shape())
 
     def get_rows(self, name: str, lo: int, hi: int, device="cpu",
                  dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``[lo, hi)`` of tensor ``name`` (along dim 0), read without reading the rest
         of the tensor; cast to ``dtype`` if given. Raises InputError if the tensor is absent."""
-        t = self._handle(name).get_slice(name)[lo:hi]
+        with self._handle(name) as h:
+            t = h.get_slice(name)[lo:hi]
         return t.to(device=device, dtype=dtype) if dtype is not None else t.to(device=device)
 
     def files(self) -> list[Path]:
@@ -141,8 +149,8 @@ class SafetensorsDir:
         return total
 
     def close(self) -> None:
-        """Drop the open file handles (and their memory maps)."""
-        self._open.clear()
+        """Nothing to release: no file is held open between reads (kept for the readers that
+        wrap this one and close it)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,7 +491,9 @@ class LayerContext:
         rows (each batch moved to the compute device), output [rows, seqlen, out] in
         ``model.dtype`` on ``hidden_device``. Tuple outputs (``self_attn``) give their first
         element. ``out``: a tensor to write the output into when its shape, dtype and device
-        are those of the output (an earlier output no longer needed; else a new one is made).
+        are those of the output (an earlier output no longer needed, or ``hidden`` itself: each
+        batch's output is written over its rows once the module has run on them; else a new
+        one is made).
         ``first_row``: the calibration row ``hidden[0]`` is (when ``hidden`` is a slice), for
         the message. Raises InputError naming the layer and the rows if the output holds
         NaN/Inf."""
@@ -508,12 +518,13 @@ class LayerContext:
         return out
 
 
-def _hidden_device(model: StreamingModel, rows: int, seqlen: int, hidden_device) -> torch.device:
+def _hidden_device(model: StreamingModel, rows: int, seqlen: int, hidden_device,
+                   copies: int = 2) -> torch.device:
     if hidden_device not in (None, "auto"):
         return torch.device(hidden_device)
     if model.device.type != "cuda":
         return model.device
-    need = 2 * rows * seqlen * model.hidden_size * torch.finfo(model.dtype).bits // 8
+    need = copies * rows * seqlen * model.hidden_size * torch.finfo(model.dtype).bits // 8
     free, _ = torch.cuda.mem_get_info(model.device)
     return model.device if need < 0.4 * free else torch.device("cpu")
 
@@ -522,7 +533,7 @@ def _hidden_device(model: StreamingModel, rows: int, seqlen: int, hidden_device)
 def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory | None = None,
         on_layer: OnLayer | None = None, batch_size: int | None = None, hidden_device=None,
         progress: bool = True, check_finite: bool = True, checkpoint=None,
-        state=None) -> torch.Tensor:
+        state=None, keep_inputs: bool = True) -> torch.Tensor:
     """Stream ``tokens`` (int64 [rows, seqlen]) through every decoder layer of ``model``.
 
     Per layer ``i`` (loaded alone onto the device):
@@ -536,12 +547,16 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
        input (e.g. the quantized layer's outputs via ``ctx.forward(layer, inputs)``);
        ``ctx`` is a :class:`LayerContext`.
 
-    ``hidden_device``: where hidden states live between layers: the compute device, "cpu"
-    (batch slices are moved to the device), or None/"auto" (the device if two copies use
-    < 40% of free CUDA memory, else CPU). Returns the last decoder layer's output (before the
-    final norm), ``model.dtype`` [rows, seqlen, hidden] on ``hidden_device``; pass it to
-    ``model.final_logits`` for logits. Raises InputError on bad tokens and on NaN/Inf hidden
-    states (naming the layer).
+    ``keep_inputs`` False: nothing needs a layer's inputs once it has run (no ``on_layer``
+    that re-runs the layer or reads ``inputs``: it is given None), so each batch's outputs
+    are written over its inputs and the hidden states are held once, not twice (a batch
+    runs before its rows are overwritten, and the rows of a batch depend on nothing else:
+    the same values). ``hidden_device``: where hidden states live between layers: the
+    compute device, "cpu" (batch slices are moved to the device), or None/"auto" (the device
+    if the copies held use < 40% of free CUDA memory, else CPU). Returns the last decoder
+    layer's output (before the final norm), ``model.dtype`` [rows, seqlen, hidden] on
+    ``hidden_device``; pass it to ``model.final_logits`` for logits. Raises InputError on bad
+    tokens and on NaN/Inf hidden states (naming the layer).
 
     ``checkpoint`` (a :class:`quantpress.calibration.checkpoint.LayerCheckpoint`) makes the
     pass resumable: after each layer the hidden states and ``state.layer_state(i)`` are
@@ -554,7 +569,7 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
                          f"shape {tuple(tokens.shape)}")
     rows, seqlen = tokens.shape
     bs = batch_size or rows
-    hdev = _hidden_device(model, rows, seqlen, hidden_device)
+    hdev = _hidden_device(model, rows, seqlen, hidden_device, 2 if keep_inputs else 1)
     start = 0
     if checkpoint is not None:
         if state is None:
@@ -574,11 +589,11 @@ def run(model: StreamingModel, tokens: torch.Tensor, hooks_factory: HooksFactory
         ctx = LayerContext(model, i, bs, hdev, check_finite)
         handle = hooks_factory(i, layer) if hooks_factory is not None else None
         try:
-            outputs = ctx.forward(layer, hidden)
+            outputs = ctx.forward(layer, hidden, out=None if keep_inputs else hidden)
         finally:
             _remove(handle)
         if on_layer is not None:
-            replaced = on_layer(i, layer, hidden, outputs, ctx)
+            replaced = on_layer(i, layer, hidden if keep_inputs else None, outputs, ctx)
             if replaced is not None:
                 if replaced.shape != outputs.shape:
                     raise ValueError(f"on_layer({i}) returned shape {tuple(replaced.shape)}, "
@@ -702,11 +717,21 @@ class FanOut:
     parameters (a consumer that swaps weights restores the original tensors), ``inputs`` and
     ``outputs``; their ``on_layer`` must return None (the next layer gets the reference
     output). :meth:`on_layer` checks the return value and that the layer's parameters are the
-    same tensors afterwards (ValueError naming the consumer otherwise)."""
+    same tensors afterwards (ValueError naming the consumer otherwise).
+
+    A consumer with hooks only, or marked ``inputs_unused`` (its ``on_layer`` never reads
+    ``inputs``), lets the pass hold the hidden states once (:attr:`keep_inputs`)."""
 
     def __init__(self, consumers, threads: int | None = None):
         self.consumers = list(consumers)
         self.threads = threads
+
+    @property
+    def keep_inputs(self) -> bool:
+        """Whether some consumer's ``on_layer`` reads the layer's inputs (:func:`run`'s
+        ``keep_inputs``): one has an ``on_layer`` and is not marked ``inputs_unused``."""
+        return any(getattr(c, "on_layer", None) is not None and not getattr(c, "inputs_unused", False)
+                   for c in self.consumers)
 
     def hooks(self, index: int, layer: nn.Module) -> list:
         """The consumers' hook handles of layer ``index``, as one list (the engine removes

@@ -542,6 +542,7 @@ class _Trim:
 
     stateless = True
     after_all = True       # alone, once the other consumers of the layer are done
+    inputs_unused = True
 
     def on_layer(self, *args) -> None:
         trim_heap()
@@ -557,7 +558,7 @@ def reference_pass(source: Source, consumers: list, progress: bool = True, check
     fan = engine.FanOut([*consumers, _Trim()])
     engine.run(source.streaming_model(), rows, hooks_factory=fan.hooks, on_layer=fan.on_layer,
                batch_size=source.batch_rows(rows.shape[1]), progress=progress,
-               checkpoint=checkpoint, state=fan)
+               checkpoint=checkpoint, state=fan, keep_inputs=fan.keep_inputs)
 
 
 def options_json(o: Any) -> dict:

@@ -135,7 +135,8 @@ def tokenize_stream(tok, text: str, bos_id: int | None) -> torch.Tensor:
 
 def _final_scored_hidden(sm, chunks: torch.Tensor, batch_rows: int, progress: bool) -> torch.Tensor:
     """Last decoder layer's output at the scored positions: [n_chunk, n_ctx−first−1, hidden]."""
-    h = engine.run(sm, chunks, batch_size=batch_rows, progress=progress, on_layer=trim_heap)
+    h = engine.run(sm, chunks, batch_size=batch_rows, progress=progress, on_layer=trim_heap,
+                   keep_inputs=False)
     sl = ceval.scored_slice(chunks.shape[1])
     out = h[:, sl].clone()
     del h

@@ -86,7 +86,7 @@ def imatrix_from_rows(source: Source, rows: torch.Tensor,
     c = ImatrixCollector(source)
     engine.run(source.streaming_model(), rows, hooks_factory=c.hooks,
                batch_size=source.batch_rows(rows.shape[1]), progress=progress,
-               on_layer=lambda *a: trim_heap())
+               on_layer=lambda *a: trim_heap(), keep_inputs=False)
     return c.entries()
 
 

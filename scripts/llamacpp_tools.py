@@ -100,13 +100,14 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
     return q8
 
 
-def convert_hf(model_dir: Path, out: Path, outtype: str = "f16") -> Path:
-    """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT`` (offline, the
-    pinned source of :func:`llamacpp_src`); returns ``out``. Raises RuntimeError with the
-    end of the converter's stderr when it fails."""
+def convert_hf(model_dir: Path, out: Path, outtype: str = "f16", extra: tuple[str, ...] = ()) -> Path:
+    """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT [EXTRA...]``
+    (offline, the pinned source of :func:`llamacpp_src`; ``extra`` e.g. ``("--split-max-tensors",
+    "20")``, which writes ``OUT``'s stem ``-00001-of-0000N.gguf`` and on instead); returns
+    ``out``. Raises RuntimeError with the end of the converter's stderr when it fails."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")     # (the script puts its own gguf-py first)
     res = subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"), str(model_dir),
-                          "--outtype", outtype, "--outfile", str(out)],
+                          "--outtype", outtype, "--outfile", str(out), *extra],
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {model_dir} --outtype {outtype} failed "

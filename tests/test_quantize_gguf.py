@@ -1,10 +1,14 @@
 """``quantize gguf`` (requantizing an F16 GGUF, llama-quantize's job) against llama.cpp itself:
 on llama.cpp's own F16 conversions, every tensor's type and bytes, the tensor order and the KVs
-(keys, types, values, order) equal ``llama_model_quantize``'s output; an already quantized
-input is refused, naming the tensor, and nothing is written."""
+(keys, types, values, order) equal ``llama_model_quantize``'s output, for a split model (its
+first file) too; an already quantized input and a split model's bad splits are refused,
+naming the tensor or file, and nothing is written."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
 
 import llamacpp_tools
 import make
@@ -77,3 +81,68 @@ def test_reading_the_source_does_not_keep_its_pages(f16):
     grown = _rss_file_mib() - before
     assert x.shape == (49152, 576) and x.dtype.is_floating_point
     assert grown < 4, f"RssFile grew by {grown:.1f} MiB reading a 54 MiB tensor"
+
+
+@pytest.fixture(scope="module")
+def split_f16(tmp_path_factory, synth_qwen3_dir):
+    """The synthetic qwen3 as llama.cpp's converter splits it (``convert_hf_to_gguf.py
+    --split-max-tensors 60``): its files in split order."""
+    d = tmp_path_factory.mktemp("split_f16")
+    llamacpp_tools.convert_hf(synth_qwen3_dir, d / "qwen3-f16.gguf", extra=("--split-max-tensors", "60"))
+    files = sorted(d.glob("qwen3-f16-*-of-*.gguf"))
+    assert len(files) >= 3 and files[0].name.endswith("-00001-of-%05d.gguf" % len(files))
+    return files
+
+
+def test_split_input_equals_llama_quantize(split_f16, f16, tmp_path):
+    """A split model given by its first file: every split's tensors quantized into one file,
+    byte for byte llama-quantize's from the same split files (KVs of the first split without
+    its split keys, llama.cpp's tensor order), and the same tensors as from the model's
+    unsplit conversion; the GGUF reader of eval and calibration sees the whole model too."""
+    from quantpress.convert import gguf_load
+
+    ref = ref_quantize(split_f16[0], tmp_path / "ref.gguf", "Q4_K_M")
+    s = make.gguf(split_f16[0], tmp_path / "ours.gguf", "Q4_K_M")
+    assert s.roundtrip.startswith("ok")
+    ours_t, ref_t = tensors_of(tmp_path / "ours.gguf"), tensors_of(ref)
+    assert list(ours_t) == list(ref_t) and ours_t == ref_t
+    ours_kv, ref_kv = kvs_of(tmp_path / "ours.gguf"), kvs_of(ref)
+    assert list(ours_kv) == list(ref_kv) and ours_kv == ref_kv
+    assert not any(k.startswith("split.") for k in ours_kv)
+    whole = make.gguf(f16["qwen3"], tmp_path / "whole.gguf", "Q4_K_M")
+    assert whole.roundtrip.startswith("ok") and tensors_of(tmp_path / "whole.gguf") == ours_t
+
+    split_w, whole_w = gguf_load.GGUFWeights(split_f16[0]), gguf_load.GGUFWeights(f16["qwen3"])
+    assert list(split_w.keys()) == list(whole_w.keys())
+    assert split_w.metadata == whole_w.metadata
+    last = gguf_load.read_header(split_f16[-1])[1][-1].name
+    name = next(k for k in split_w.keys() if split_w.gguf_names[k] == last)
+    assert torch.equal(split_w.get(name), whole_w.get(name))
+
+
+def test_split_input_errors(split_f16, tmp_path, capsys):
+    """A split model's bad input, each refused with exit 2 in one line naming the file, nothing
+    written: a later split given instead of the first, the first renamed (its splits cannot
+    be found), a missing split, a split with another split.no in its place."""
+    out = tmp_path / "out" / "o.gguf"
+    out.parent.mkdir()
+    n = len(split_f16)
+
+    def refused(src, *expect):
+        capsys.readouterr()
+        assert quantize_main(["gguf", str(src), "--policy", "Q4_K_M", "-o", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(e in err[0] for e in expect), err
+        assert list(out.parent.iterdir()) == []
+
+    refused(split_f16[1], f"split 2 of {n} of a split model; pass its first file ({split_f16[0].name})")
+    renamed = tmp_path / "renamed.gguf"
+    shutil.copy(split_f16[0], renamed)
+    refused(renamed, f"renamed.gguf: the first of {n} splits", f"'-00001-of-{n:05d}.gguf'")
+    d = tmp_path / "missing"
+    d.mkdir()
+    for f in split_f16[:-1]:
+        (d / f.name).symlink_to(f)
+    refused(d / split_f16[0].name, f"{d / split_f16[-1].name}: split of {split_f16[0].name} missing")
+    (d / split_f16[-1].name).symlink_to(split_f16[1])
+    refused(d / split_f16[0].name, f"{d / split_f16[-1].name}: split.no is 1, expected {n - 1}")

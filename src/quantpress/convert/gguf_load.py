@@ -63,13 +63,15 @@ MAX_STRING_ARRAY = 4096
 @dataclass
 class TensorInfo:
     """One tensor of a GGUF file: ``name``, ``ne`` (ggml order, ne[0] = row length), ggml
-    ``type`` name, absolute byte ``offset`` in the file and ``n_bytes``."""
+    ``type`` name, absolute byte ``offset`` in the file holding it (``path``) and
+    ``n_bytes``."""
 
     name: str
     ne: tuple[int, ...]
     type: str
     offset: int
     n_bytes: int
+    path: Path | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,6 +81,79 @@ class TensorInfo:
 
 class StringArray(int):
     """Placeholder for a long string array (its length); the strings themselves are skipped."""
+
+
+# --------------------------------------------------------------------------------------------
+# Split models (llama.cpp's gguf-split, convert_hf_to_gguf.py --split-max-size)
+
+#: the keys of a split file (llama.cpp ``LLM_KV_SPLIT_*``), which a model's metadata leaves out
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+
+def split_files(path: str | Path, split_no: int, split_count: int) -> list[Path]:
+    """The files of a split GGUF model given its first, ``PREFIX-00001-of-0000N.gguf``, as
+    llama.cpp finds them (``llama_model_loader``, ``llama_get_list_splits`` with
+    ``llama_split_prefix`` / ``llama_split_path``: ``"%s-%05d-of-%05d.gguf"``, llama.cpp as
+    vendored in llama-cpp-python 0.3.36), in split order; ``[path]`` when ``split_count`` is 0
+    or 1 (not split). ``split_no`` / ``split_count``: the file's ``split.no`` and
+    ``split.count``. Raises InputError naming the file: not the first split (llama.cpp loads a
+    model from its first), a name without the suffix its split keys give, a missing file."""
+    p = Path(path)
+    if split_count <= 1:
+        return [p]
+    suffix = f"-{split_no + 1:05d}-of-{split_count:05d}.gguf"
+    if split_no != 0:
+        first = p.name[:-len(suffix)] + f"-00001-of-{split_count:05d}.gguf" if p.name.endswith(suffix) else None
+        raise InputError(f"{p}: split {split_no + 1} of {split_count} of a split model; pass its first "
+                         f"file{f' ({first})' if first else ''}")
+    if not p.name.endswith(suffix) or len(p.name) == len(suffix):
+        raise InputError(f"{p}: the first of {split_count} splits (split.count), but its name does not end "
+                         f"in '{suffix}', from which llama.cpp finds the others")
+    prefix = str(p)[:-len(suffix)]
+    files = [Path(f"{prefix}-{i + 1:05d}-of-{split_count:05d}.gguf") for i in range(split_count)]
+    for f in files[1:]:
+        if not f.is_file():
+            raise InputError(f"{f}: split of {p.name} missing (split.count is {split_count})")
+    return files
+
+
+def check_split(path: Path, index: int, split_no, names: set[str], new: list[str]) -> None:
+    """The checks llama.cpp makes of split ``index`` (from 0) of a model as it loads it: its
+    ``split.no`` (None: absent) is ``index``, and none of its tensor names ``new`` is already
+    in ``names`` (the names of the splits before, to which ``new`` is then added). Raises
+    InputError naming the file or tensor."""
+    if split_no is None:
+        raise InputError(f"{path}: no split.no key in a split of a split model")
+    if int(split_no) != index:
+        raise InputError(f"{path}: split.no is {int(split_no)}, expected {index} for split {index + 1}")
+    for n in new:
+        if n in names:
+            raise InputError(f"{path}: tensor '{n}' is also in an earlier split")
+        names.add(n)
+
+
+def check_split_count(path: Path, count, found: int) -> None:
+    """llama.cpp's last check of a split model: ``split.tensors.count`` of its first file
+    (``count``; None: absent) equals the tensors ``found`` over all splits. InputError."""
+    if count is not None and int(count) != found:
+        raise InputError(f"{path}: split.tensors.count is {int(count)}, but its splits hold {found} tensors")
+
+
+def read_model_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
+    """:func:`read_header` of a GGUF model, split or not: the metadata of its first file (the
+    split keys left out) and the tensor infos of every split in split order, each with the
+    ``path`` of its file (:func:`split_files`, :func:`check_split`). Raises InputError as
+    those do."""
+    meta, infos = read_header(path)
+    files = split_files(path, int(meta.get("split.no", 0)), int(meta.get("split.count", 0)))
+    names = {t.name for t in infos}
+    for i, f in enumerate(files[1:], start=1):
+        m, more = read_header(f)
+        check_split(f, i, m.get("split.no"), names, [t.name for t in more])
+        infos += more
+    if len(files) > 1:
+        check_split_count(Path(path), meta.get("split.tensors.count"), len(infos))
+    return {k: v for k, v in meta.items() if k not in SPLIT_KEYS}, infos
 
 
 def read_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
@@ -119,7 +194,7 @@ def read_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
             raise InputError(f"{p}: tensor '{rt.name}' has unknown ggml type id {rt.tensor_type}") from None
         if rt.data_offset + rt.n_bytes > size:
             raise InputError(f"{p}: truncated: tensor '{rt.name}' ends past the end of the file")
-        infos.append(TensorInfo(rt.name, ne, tname, int(rt.data_offset), int(rt.n_bytes)))
+        infos.append(TensorInfo(rt.name, ne, tname, int(rt.data_offset), int(rt.n_bytes), p))
     del reader  # drop the memory map
     return meta, infos
 
@@ -192,7 +267,7 @@ class GGUFWeights:
         self.path = Path(path)
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such file")
-        self.metadata, infos = read_header(self.path)
+        self.metadata, infos = read_model_header(self.path)
         self.arch = self.metadata.get("general.architecture")
         if self.arch is None:
             raise InputError(f"{self.path}: no general.architecture key")
@@ -236,9 +311,9 @@ class GGUFWeights:
         buffer (no map is kept, so pages already used do not stay in the process's RSS)."""
         ti = self._tensors[name]
         t = ggml.get(ti.type)
-        data = np.fromfile(self.path, dtype=np.uint8, count=ti.n_bytes, offset=ti.offset)
+        data = np.fromfile(ti.path, dtype=np.uint8, count=ti.n_bytes, offset=ti.offset)
         if data.size != ti.n_bytes:
-            raise InputError(f"{self.path}: truncated tensor '{ti.name}'")
+            raise InputError(f"{ti.path}: truncated tensor '{ti.name}'")
         return data.reshape(-1, t.row_bytes(ti.ne[0]))
 
     def get(self, name: str, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from quantpress.convert import gguf_arch, gguf_policy, gguf_tokenizer
+from quantpress.convert import gguf_arch, gguf_load, gguf_policy, gguf_tokenizer
 from quantpress.convert.gguf_file import PendingKVs, PlanChanged, codecs_leave_a_core, write_gguf_many
 from quantpress.convert.gguf_roundtrip import (RoundTrip, SourceTensor, drop_pages, open_reader, reader_raw,
                                                start_checkers)
@@ -258,30 +258,42 @@ def _reader_kvs(reader: GGUFReader) -> list[tuple]:
 
 
 def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -> GGUFPlan:
-    """The plan of ``llama-quantize SRC OUT POLICY`` for an F32/F16/BF16 GGUF file. Raises
-    InputError for a file gguf-py cannot read, no ``general.architecture``, or a tensor that
-    is already quantized (naming it). ``options``: the imatrix and per-tensor controls
-    (:func:`finish_plan`)."""
+    """The plan of ``llama-quantize SRC OUT POLICY`` for an F32/F16/BF16 GGUF file, or the
+    first file of a split model (the tensors of every split, the KVs of the first without its
+    split keys: one output file, as llama-quantize without ``--keep-split`` writes). Raises
+    InputError for a file gguf-py cannot read, no ``general.architecture``, a tensor that is
+    already quantized (naming it), a split model's missing or inconsistent split
+    (:func:`quantpress.convert.gguf_load.split_files`). ``options``: the imatrix and per-tensor
+    controls (:func:`finish_plan`)."""
     src = Path(src)
     reader = open_reader(src)
-    field_arch = reader.get_field("general.architecture")
-    if field_arch is None:
-        raise InputError(f"{src}: no general.architecture key")
-    arch = field_arch.contents()
 
-    def kv(key, default=None):
-        f = reader.get_field(f"{arch}.{key}")
+    def kv(key, default=None, r=reader):
+        f = r.get_field(key)
         return f.contents() if f is not None else default
 
+    # a split model (llama.cpp's gguf-split): every split's tensors, read from its own file,
+    # the KVs of the first (llama-quantize's input as llama_model_loader loads it)
+    files = gguf_load.split_files(src, int(kv("split.no", 0)), int(kv("split.count", 0)))
+    arch = kv("general.architecture")
+    if arch is None:
+        raise InputError(f"{src}: no general.architecture key")
+    readers = [reader] + [open_reader(f) for f in files[1:]]
+    names = {rt.name for rt in reader.tensors}
+    for i, (f, r) in enumerate(zip(files[1:], readers[1:]), start=1):
+        gguf_load.check_split(f, i, kv("split.no", r=r), names, [rt.name for rt in r.tensors])
+    if len(files) > 1:
+        gguf_load.check_split_count(src, kv("split.tensors.count"), len(names))
+
     tensors = []
-    for rt in reader.tensors:
+    for path, reader, rt in ((f, r, rt) for f, r in zip(files, readers) for rt in r.tensors):
         tname = GGMLQuantizationType(rt.tensor_type).name
         shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
         if tname not in FLOAT_TYPES:
-            raise InputError(f"{src}: tensor '{rt.name}' is already quantized ({tname}); "
+            raise InputError(f"{path}: tensor '{rt.name}' is already quantized ({tname}); "
                              "requantizing is not supported, start from an F32/F16/BF16 file")
 
-        def load(rt=rt, tname=tname, shape=shape):
+        def load(rt=rt, tname=tname, shape=shape, reader=reader):
             raw = torch.from_numpy(reader_raw(rt).copy())
             drop_pages(reader, rt)   # the source file's pages are not kept mapped
             if tname in ("F16", "BF16"):
@@ -294,9 +306,9 @@ def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -
                 return raw.view(torch.float16 if tname == "F16" else torch.bfloat16).reshape(shape)
             return ggml.dequantize(raw, tname).reshape(shape)
         tensors.append(SourceTensor(rt.name, shape, load))
-    params = _model_params(arch, kv("block_count"), kv("attention.head_count"),
-                           kv("attention.head_count_kv"), kv("expert_count", 0), tensors)
-    kvs = _reader_kvs(reader) + [
+    params = _model_params(arch, kv(f"{arch}.block_count"), kv(f"{arch}.attention.head_count"),
+                           kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.expert_count", 0), tensors)
+    kvs = _reader_kvs(readers[0]) + [
         ("general.quantization_version", 2, GGUFValueType.UINT32, None),
         ("general.file_type", gguf_policy.ftype_id(policy), GGUFValueType.UINT32, None)]
     return finish_plan(GGUFPlan(arch, kvs, _in_quantize_order(tensors), {}), params,

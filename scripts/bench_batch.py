@@ -4,7 +4,8 @@ The batch: GGUF Q4_K_M and Q8_0, AWQ w4g64, EXL2 4.0 and 5.0 bpw, evaluation. On
 a careful user makes them: two ``convert hf-to-gguf``, one ``quantize awq``, ``quantize exl2
 --bpw 4.0`` (which keeps measurement.json in its directory), ``quantize exl2 --bpw 5.0
 --measurement`` that file, one ``quantize eval`` of the four models. Prints both wall times,
-their ratio, both peak RSS (the largest of the one-by-one processes), the seconds of each
+their ratio, the peak RSS (of one process) and the peak PSS of the process tree (one by one:
+of its largest step; the batch's side lanes are processes of their own), the seconds of each
 output of the batch (from its manifest), and whether every output is byte-identical between
 the two ways. ``--ray`` also runs the batch with ``--ray``
 on a local Ray instance (each stage a Ray task with one CPU: the GGUF policies beside the
@@ -69,10 +70,10 @@ def main() -> None:
 
     job = work / "jobs.toml"
     job.write_text(job_text(model, name, a.samples, a.seqlen, a.chunks))
-    batch_wall, batch_rss = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "batch"),
-                                     "--quiet", "--force"])
+    batch_wall, batch_rss, batch_pss = measure([str(BIN / "quantize"), "batch", str(job), "-o",
+                                                str(work / "batch"), "--quiet", "--force"])
     if a.ray:
-        ray_wall, _ = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "ray"),
+        ray_wall, _, _ = measure([str(BIN / "quantize"), "batch", str(job), "-o", str(work / "ray"),
                                "--quiet", "--force", "--ray"])
 
     one = work / "one"
@@ -88,18 +89,21 @@ def main() -> None:
         [str(BIN / "quantize"), "eval", str(model), *(str(p) for p in o.values()), "--chunks", str(a.chunks),
          "--device", "cpu", "--quiet"],
     ]
-    walls, rsss = [], []
+    walls, rsss, psss = [], [], []
     for cmd in steps:
-        w, r = measure(cmd)
+        w, r, ps = measure(cmd)
         walls.append(w)
         rsss.append(r)
-        print(f"  {w:7.1f} s {r:7.0f} MiB  {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:4]))}")
-    one_wall, one_rss = sum(walls), max(rsss)
+        psss.append(ps)
+        print(f"  {w:7.1f} s {r:7.0f} MiB RSS {ps:7.0f} MiB PSS  "
+              f"{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd[:4]))}")
+    one_wall, one_rss, one_pss = sum(walls), max(rsss), max(psss)
 
     same = all(digests(work / "batch" / name / p.name) == digests(p) for p in o.values())
     print(f"model {model.name}, calibration {a.samples} x {a.seqlen} tokens, eval {a.chunks} "
           f"chunks of 512, CPU, {os.environ.get('OMP_NUM_THREADS', 'default')} threads")
-    print(f"batch       {batch_wall:7.1f} s  peak RSS {batch_rss:7.0f} MiB")
+    print(f"batch       {batch_wall:7.1f} s  peak RSS {batch_rss:7.0f} MiB, PSS of its process tree "
+          f"{batch_pss:7.0f} MiB")
     manifest = json.loads((work / "batch" / name / "manifest.json").read_text())
     print("  its outputs' seconds (shared stages counted in each): " + ", ".join(
         f"{o['kind']} {o['target']} {o['seconds']:.1f}" for o in manifest["outputs"]))
@@ -107,8 +111,9 @@ def main() -> None:
         same_ray = all(digests(work / "ray" / name / p.name) == digests(p) for p in o.values())
         print(f"batch --ray {ray_wall:7.1f} s  ({ray_wall / one_wall:.2f}x of one by one; outputs "
               f"byte-identical: {'yes' if same_ray else 'NO'})")
-    print(f"one by one  {one_wall:7.1f} s  peak RSS {one_rss:7.0f} MiB (largest process)")
-    print(f"ratio       {batch_wall / one_wall:.2f}x time, {batch_rss / one_rss:.2f}x peak RSS; "
+    print(f"one by one  {one_wall:7.1f} s  peak RSS {one_rss:7.0f} MiB, PSS {one_pss:7.0f} MiB (largest process)")
+    print(f"ratio       {batch_wall / one_wall:.2f}x time, {batch_rss / one_rss:.2f}x peak RSS, "
+          f"{batch_pss / one_pss:.2f}x PSS; "
           f"outputs byte-identical: {'yes' if same else 'NO'}")
 
 

@@ -178,8 +178,7 @@ def test_on_layer_output_feeds_next_layer(tiny):
     torch.testing.assert_close(h, replaced[-1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("hidden_device", ["cpu", None])
-def test_hidden_states_held_once_without_inputs(tiny, hidden_device):
+def test_hidden_states_held_once_without_inputs(tiny):
     """keep_inputs=False: every layer's outputs are written over its inputs (one buffer for
     the whole pass, on_layer given None for the inputs), with the same values as the pass
     that keeps both copies, in batches of 2 rows of 3 and with the capture hooks' statistics
@@ -187,8 +186,7 @@ def test_hidden_states_held_once_without_inputs(tiny, hidden_device):
     toks = _tokens(seed=9)
     sm = engine.StreamingModel(tiny["llama"], "cpu", torch.float32)
     kept, col_kept = [], stats.StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
-    h_kept = engine.run(sm, toks, hooks_factory=col_kept, batch_size=2, hidden_device=hidden_device,
-                        progress=False,
+    h_kept = engine.run(sm, toks, hooks_factory=col_kept, batch_size=2, progress=False,
                         on_layer=lambda i, layer, x, y, ctx: kept.append((x.data_ptr(), y.data_ptr())))
     once, col_once = [], stats.StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
 
@@ -196,8 +194,8 @@ def test_hidden_states_held_once_without_inputs(tiny, hidden_device):
         assert x is None
         once.append(y.data_ptr())
 
-    h_once = engine.run(sm, toks, hooks_factory=col_once, batch_size=2, hidden_device=hidden_device,
-                        progress=False, on_layer=on_layer, keep_inputs=False)
+    h_once = engine.run(sm, toks, hooks_factory=col_once, batch_size=2, progress=False,
+                        on_layer=on_layer, keep_inputs=False)
     assert torch.equal(h_once, h_kept)
     assert len(once) == 3 and len(set(once)) == 1 and h_once.data_ptr() == once[0]
     assert all(x != y for x, y in kept)     # (the default pass: a new output buffer per layer)

@@ -146,3 +146,21 @@ def test_split_input_errors(split_f16, tmp_path, capsys):
     refused(d / split_f16[0].name, f"{d / split_f16[-1].name}: split of {split_f16[0].name} missing")
     (d / split_f16[-1].name).symlink_to(split_f16[1])
     refused(d / split_f16[0].name, f"{d / split_f16[-1].name}: split.no is 1, expected {n - 1}")
+
+
+def test_check_splits_rules(tmp_path):
+    """llama_model_loader's checks of a split model, each naming the file: a tensor in two
+    splits, split.tensors.count against the tensors found, a split without split.no; a
+    consistent split model and a single file pass."""
+    from quantpress.convert.gguf_load import check_splits
+    from quantpress.errors import InputError
+
+    files = [tmp_path / f"m-{i:05d}-of-00002.gguf" for i in (1, 2)]
+    check_splits(files[0], files, [0, 1], [["a", "b"], ["c"]], 3)
+    check_splits(files[0], files[:1], [None], [["a", "b"]], None)
+    with pytest.raises(InputError, match=f"{files[1]}: tensor 'b' is also in an earlier split"):
+        check_splits(files[0], files, [0, 1], [["a", "b"], ["b"]], 3)
+    with pytest.raises(InputError, match=f"{files[0]}: split.tensors.count is 4, but its splits hold 3"):
+        check_splits(files[0], files, [0, 1], [["a", "b"], ["c"]], 4)
+    with pytest.raises(InputError, match=f"{files[1]}: no split.no key"):
+        check_splits(files[0], files, [0, None], [["a"], ["c"]], 2)

@@ -71,7 +71,7 @@ class TensorInfo:
     type: str
     offset: int
     n_bytes: int
-    path: Path | None = None
+    path: Path
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -117,43 +117,40 @@ def split_files(path: str | Path, split_no: int, split_count: int) -> list[Path]
     return files
 
 
-def check_split(path: Path, index: int, split_no, names: set[str], new: list[str]) -> None:
-    """The checks llama.cpp makes of split ``index`` (from 0) of a model as it loads it: its
-    ``split.no`` (None: absent) is ``index``, and none of its tensor names ``new`` is already
-    in ``names`` (the names of the splits before, to which ``new`` is then added). Raises
-    InputError naming the file or tensor."""
-    if split_no is None:
-        raise InputError(f"{path}: no split.no key in a split of a split model")
-    if int(split_no) != index:
-        raise InputError(f"{path}: split.no is {int(split_no)}, expected {index} for split {index + 1}")
-    for n in new:
-        if n in names:
-            raise InputError(f"{path}: tensor '{n}' is also in an earlier split")
-        names.add(n)
-
-
-def check_split_count(path: Path, count, found: int) -> None:
-    """llama.cpp's last check of a split model: ``split.tensors.count`` of its first file
-    (``count``; None: absent) equals the tensors ``found`` over all splits. InputError."""
-    if count is not None and int(count) != found:
-        raise InputError(f"{path}: split.tensors.count is {int(count)}, but its splits hold {found} tensors")
+def check_splits(first: Path, files: list[Path], split_nos: list, names: list[list[str]],
+                 tensors_count) -> None:
+    """The checks llama.cpp makes of a split model as it loads it (``llama_model_loader``):
+    each later split's ``split.no`` is its index, no tensor name is in two splits, and the
+    first file's ``split.tensors.count`` is the number of tensors over all splits. ``files``:
+    :func:`split_files` of ``first``; ``split_nos[i]`` / ``names[i]``: ``files[i]``'s
+    ``split.no`` (None: absent) and tensor names; ``tensors_count`` None: absent. A single file
+    passes. Raises InputError naming the file or tensor."""
+    seen = set(names[0])
+    for i in range(1, len(files)):
+        if split_nos[i] is None:
+            raise InputError(f"{files[i]}: no split.no key in a split of a split model")
+        if int(split_nos[i]) != i:
+            raise InputError(f"{files[i]}: split.no is {int(split_nos[i])}, expected {i} for split {i + 1}")
+        for n in names[i]:
+            if n in seen:
+                raise InputError(f"{files[i]}: tensor '{n}' is also in an earlier split")
+            seen.add(n)
+    if len(files) > 1 and tensors_count is not None and int(tensors_count) != len(seen):
+        raise InputError(f"{first}: split.tensors.count is {int(tensors_count)}, but its splits hold "
+                         f"{len(seen)} tensors")
 
 
 def read_model_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:
     """:func:`read_header` of a GGUF model, split or not: the metadata of its first file (the
     split keys left out) and the tensor infos of every split in split order, each with the
-    ``path`` of its file (:func:`split_files`, :func:`check_split`). Raises InputError as
+    ``path`` of its file (:func:`split_files`, :func:`check_splits`). Raises InputError as
     those do."""
     meta, infos = read_header(path)
     files = split_files(path, int(meta.get("split.no", 0)), int(meta.get("split.count", 0)))
-    names = {t.name for t in infos}
-    for i, f in enumerate(files[1:], start=1):
-        m, more = read_header(f)
-        check_split(f, i, m.get("split.no"), names, [t.name for t in more])
-        infos += more
-    if len(files) > 1:
-        check_split_count(Path(path), meta.get("split.tensors.count"), len(infos))
-    return {k: v for k, v in meta.items() if k not in SPLIT_KEYS}, infos
+    heads = [(meta, infos)] + [read_header(f) for f in files[1:]]
+    check_splits(Path(path), files, [m.get("split.no") for m, _ in heads],
+                 [[t.name for t in ts] for _, ts in heads], meta.get("split.tensors.count"))
+    return {k: v for k, v in meta.items() if k not in SPLIT_KEYS}, [t for _, ts in heads for t in ts]
 
 
 def read_header(path: str | Path) -> tuple[dict, list[TensorInfo]]:

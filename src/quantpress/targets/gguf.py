@@ -263,8 +263,8 @@ def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -
     split keys: one output file, as llama-quantize without ``--keep-split`` writes). Raises
     InputError for a file gguf-py cannot read, no ``general.architecture``, a tensor that is
     already quantized (naming it), a split model's missing or inconsistent split
-    (:func:`quantpress.convert.gguf_load.split_files`). ``options``: the imatrix and per-tensor
-    controls (:func:`finish_plan`)."""
+    (:func:`quantpress.convert.gguf_load.split_files`, ``check_splits``). ``options``: the
+    imatrix and per-tensor controls (:func:`finish_plan`)."""
     src = Path(src)
     reader = open_reader(src)
 
@@ -279,23 +279,20 @@ def plan_from_gguf(src: Path, policy: str, options: GGUFOptions | None = None) -
     if arch is None:
         raise InputError(f"{src}: no general.architecture key")
     readers = [reader] + [open_reader(f) for f in files[1:]]
-    names = {rt.name for rt in reader.tensors}
-    for i, (f, r) in enumerate(zip(files[1:], readers[1:]), start=1):
-        gguf_load.check_split(f, i, kv("split.no", r=r), names, [rt.name for rt in r.tensors])
-    if len(files) > 1:
-        gguf_load.check_split_count(src, kv("split.tensors.count"), len(names))
+    gguf_load.check_splits(src, files, [kv("split.no", r=r) for r in readers],
+                           [[rt.name for rt in r.tensors] for r in readers], kv("split.tensors.count"))
 
     tensors = []
-    for path, reader, rt in ((f, r, rt) for f, r in zip(files, readers) for rt in r.tensors):
+    for path, rd, rt in ((f, r, rt) for f, r in zip(files, readers) for rt in r.tensors):
         tname = GGMLQuantizationType(rt.tensor_type).name
         shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
         if tname not in FLOAT_TYPES:
             raise InputError(f"{path}: tensor '{rt.name}' is already quantized ({tname}); "
                              "requantizing is not supported, start from an F32/F16/BF16 file")
 
-        def load(rt=rt, tname=tname, shape=shape, reader=reader):
+        def load(rt=rt, tname=tname, shape=shape, rd=rd):
             raw = torch.from_numpy(reader_raw(rt).copy())
-            drop_pages(reader, rt)   # the source file's pages are not kept mapped
+            drop_pages(rd, rt)   # the source file's pages are not kept mapped
             if tname in ("F16", "BF16"):
                 # as it is (the codecs and the round trip widen it exactly, as ggml_fp16_to_fp32
                 # and ggml_bf16_to_fp32), as the HF loaders give theirs: half the bytes to copy

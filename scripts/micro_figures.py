@@ -96,7 +96,7 @@ With ``--exit`` only the console commands' ending (``cli.common.exit_with``): Sm
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
 
-With ``--codec-profile [DEVICE]`` (default cuda) only where Q4_K's and Q6_K's time goes on that
+With ``--codec-profile [DEVICE]`` (default cuda) only where Q4_K's, Q6_K's and Q3_K's time goes on that
 device: wall, device busy time, kernels and copies launched, values read back by the host.
 
 With ``--cuda`` (a CUDA machine) only the GPU figure: ``quantize.ggml.ACCEL_CHUNK_ELEMENTS``,
@@ -162,8 +162,8 @@ def snr_floor() -> None:
 
 def codec_profile(device: str) -> None:
     """Where a ggml codec's time goes on ``device`` (CUDA: is it the kernels, or their
-    launches and the host's waits?): Q4_K with and without an importance vector and Q6_K of
-    8,192 x 8,192 weights (67 M) through ``quantize.ggml.quantize``: the wall milliseconds of
+    launches and the host's waits?): Q4_K with and without an importance vector, Q6_K and Q3_K
+    of 8,192 x 8,192 weights (67 M) through ``quantize.ggml.quantize``: the wall milliseconds of
     the call (best of three, synchronized), then under ``torch.profiler`` the device's busy
     milliseconds (the sum of its kernels' and copies' own times), how many kernels and copies
     it ran, and how many times the host read a value back (``aten::_local_scalar_dense``:
@@ -181,7 +181,7 @@ def codec_profile(device: str) -> None:
         if cuda:
             torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    for t, im in (("Q4_K", None), ("Q4_K", w), ("Q6_K", None)):
+    for t, im in (("Q4_K", None), ("Q4_K", w), ("Q6_K", None), ("Q3_K", None)):
         qg.quantize(x[:512], t, imatrix=im)           # warm-up
         sync()
         ms = best_ms(lambda: (qg.quantize(x, t, imatrix=im), sync()), n=3)

@@ -4,7 +4,8 @@
 # same pyproject.toml, constraints and this script does nothing (stamp files); pip's wheel
 # cache keeps llama-cpp-python's ~5 min source build for later runs.
 #   bash scripts/setup.sh           # runtime: torch (CPU), transformers, ..., quantpress (editable)
-#   bash scripts/setup.sh --test    # + pytest, llama-cpp-python (llama.cpp, the reference), gptqmodel
+#   bash scripts/setup.sh --test    # + pytest, llama-cpp-python (llama.cpp, the reference), gptqmodel,
+#                                   #   Triton's interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,6 +30,10 @@ if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$ke
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it
   # comes without its dependencies (the extra above installs them, pinned)
   pip install -q --no-deps gptqmodel==7.7.0
+  # Triton, for its interpreter alone (tests/test_triton_searches.py runs the CUDA searches'
+  # kernels on the CPU): beside the environment, not in it, where nothing else imports it;
+  # the version of the CUDA machines' torch 2.11 images
+  pip install -q --no-deps --upgrade --target .venv/triton-interp triton==3.6.0
   echo "$key" > .venv/.quantpress-test
 fi
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import processes
+from . import processes, triton_searches
 
 
 def nearest_int(x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,12 @@ def seq_sum0(p: torch.Tensor, out: torch.Tensor | None = None, from_first: bool 
     [32, 3, 8192] products 78 us against 125 us, of [32, 8192] errors 29 against 71; Q4_K of
     2M values 142-146 ms against 156-158, Q5_0 with an imatrix (its row sums too) 71-78
     against 86-90, Q6_K within the noise (one thread, ``scripts/micro_figures.py
-    --seq-sum``). Elsewhere the loop of adds, one vectorized op per position.
+    --seq-sum``). On a CUDA device one Triton kernel (:func:`triton_searches.seq_sum`);
+    elsewhere the loop of adds, one vectorized op per position.
     """
+    if (p.dtype == torch.float32 and p.dim() >= 2 and p.is_contiguous() and triton_searches.available(p)
+            and (out is None or out.is_contiguous())):
+        return triton_searches.seq_sum(p, out, from_first)      # on a CUDA device: one kernel
     if (not from_first and p.device.type == "cpu" and p.dim() >= 2 and p.is_contiguous()
             and p[0].numel() >= SEQ_SUM_NUMPY_MIN and (out is None or out.is_contiguous())):
         if out is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import GGMLType, register
+from . import GGMLType, register, triton_searches
 from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, seq_sum0, sliced, sqrtf, to_int8
 
 QK_K = 256
@@ -191,7 +191,10 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     scale -nmax/max, then -(nmax + 0.1*t)/max for t = -9..9, keeping the best weighted
     least-squares fit. Returns (scale float32 [S], L float32 [n, S] holding integers
     0..2*nmax-1). Sub-blocks whose largest |x| is below 1e-15 give scale 0, L = 0.
+    On a CUDA device one Triton kernel (:func:`triton_searches.qx`), the same bits.
     """
+    if triton_searches.available(x):
+        return triton_searches.qx(x, nmax, w, GROUP_MAX_EPS)
     n, S = x.shape
     dev = x.device
     mx, amax = first_absmax(x, 0)
@@ -398,8 +401,11 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     ``x``: float32 [n, S]. Weights are x². Up to 5 coordinate-descent passes; a sub-block
     stops after the first pass in which nothing changed (masks reproduce C's per-block
     ``break``). Returns (scale float32 [S], L float32 [n, S] with integers 0..2*nmax-1;
-    all-zero sub-blocks give scale 0 and L = 0).
+    all-zero sub-blocks give scale 0 and L = 0). On a CUDA device one Triton kernel
+    (:func:`triton_searches.q3`), the same bits.
     """
+    if triton_searches.available(x):
+        return triton_searches.q3(x, nmax, GROUP_MAX_EPS)
     n = x.shape[0]
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
@@ -558,8 +564,11 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     Constant sub-blocks (max == min after min is capped at 0) give scale 0, L 0 and
     the_min = -min. ``xmin`` float32 [S]: each sub-block's minimum as C's scan finds it (the
     first of equal values, which fixes the sign of a zero minimum; it matters where the_min
-    is stored as it is, as in Q4_1/Q5_1); None: ``x.amin(0)``.
+    is stored as it is, as in Q4_1/Q5_1); None: ``x.amin(0)``. On a CUDA device one Triton
+    kernel (:func:`triton_searches.qkx2`), the same bits.
     """
+    if triton_searches.available(x):
+        return triton_searches.qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, xmin)
     n, S = x.shape
     dev = x.device
     ends = torch.stack([x.amin(0) if xmin is None else xmin, x.amax(0)])    # [xmin, max] per sub-block
@@ -709,6 +718,8 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     ee7547d), and in NumPy C's test only on the groups whose level would change (1.09 ms
     against 1.21 testing whole rows).
     """
+    if triton_searches.available(x):      # on a CUDA device: one kernel, the same bits
+        return triton_searches.qp(x, w, nmax, GROUP_MAX_EPS)
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
         return torch.from_numpy(scale), torch.from_numpy(L)

@@ -30,6 +30,11 @@ def test_triton_searches_match_llamacpp():
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
+    # a kernel that fails to compile: one warning naming it, the kernels off for the process,
+    # the torch path's bytes (llama.cpp's)
+    fb = res.pop("fallback")
+    assert fb["same"] and fb["off"], fb
+    assert len(fb["warnings"]) == 1 and "_qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
     assert len(res) == 9 * 2 + 9
     differ = [k for k, v in res.items() if not v["same"]]
     assert not differ, differ

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,24 @@ def main() -> None:
             kquants.FAST_ROUNDING_ON_CPU = True
         out[f"search {case}"] = {"same": all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(got, want)),
                                  "launches": n}
+    # a kernel that cannot be compiled: one warning, the kernels off, the torch path's bytes
+    class Broken:
+        __name__ = "_qx_kernel"
+
+        def __getitem__(self, grid):
+            raise RuntimeError("no such instruction")
+    kept = ts._qx_kernel
+    ts._qx_kernel = Broken()
+    xq = x[:8]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = qg.quantize(torch.from_numpy(xq), "Q6_K").numpy()
+        again = qg.quantize(torch.from_numpy(xq), "Q6_K").numpy()
+    ts._qx_kernel = kept
+    out["fallback"] = {"same": bool(np.array_equal(ours, ggml_ref.ref_quantize(xq, "Q6_K"))
+                                    and np.array_equal(again, ours)),
+                       "warnings": [str(w.message) for w in caught],
+                       "off": not ts.available(torch.from_numpy(xq)), "launches": 0}
     print(json.dumps(out))
 
 

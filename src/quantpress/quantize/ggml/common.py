@@ -100,7 +100,8 @@ def seq_sum0(p: torch.Tensor, out: torch.Tensor | None = None, from_first: bool 
     """
     if (p.dtype == torch.float32 and p.dim() >= 2 and p.is_contiguous() and triton_searches.available(p)
             and (out is None or out.is_contiguous())):
-        return triton_searches.seq_sum(p, out, from_first)      # on a CUDA device: one kernel
+        with contextlib.suppress(triton_searches.KernelUnavailable):
+            return triton_searches.seq_sum(p, out, from_first)  # on a CUDA device: one kernel
     if (not from_first and p.device.type == "cpu" and p.dim() >= 2 and p.is_contiguous()
             and p[0].numel() >= SEQ_SUM_NUMPY_MIN and (out is None or out.is_contiguous())):
         if out is None:

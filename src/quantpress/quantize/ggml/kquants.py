@@ -25,6 +25,8 @@ a contiguous row.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -194,7 +196,8 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     On a CUDA device one Triton kernel (:func:`triton_searches.qx`), the same bits.
     """
     if triton_searches.available(x):
-        return triton_searches.qx(x, nmax, w, GROUP_MAX_EPS)
+        with contextlib.suppress(triton_searches.KernelUnavailable):
+            return triton_searches.qx(x, nmax, w, GROUP_MAX_EPS)
     n, S = x.shape
     dev = x.device
     mx, amax = first_absmax(x, 0)
@@ -405,7 +408,8 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     (:func:`triton_searches.q3`), the same bits.
     """
     if triton_searches.available(x):
-        return triton_searches.q3(x, nmax, GROUP_MAX_EPS)
+        with contextlib.suppress(triton_searches.KernelUnavailable):
+            return triton_searches.q3(x, nmax, GROUP_MAX_EPS)
     n = x.shape[0]
     mx, amax = first_absmax(x, 0)
     zero = amax < GROUP_MAX_EPS
@@ -568,7 +572,8 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     kernel (:func:`triton_searches.qkx2`), the same bits.
     """
     if triton_searches.available(x):
-        return triton_searches.qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, xmin)
+        with contextlib.suppress(triton_searches.KernelUnavailable):
+            return triton_searches.qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, xmin)
     n, S = x.shape
     dev = x.device
     ends = torch.stack([x.amin(0) if xmin is None else xmin, x.amax(0)])    # [xmin, max] per sub-block
@@ -719,7 +724,8 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
     against 1.21 testing whole rows).
     """
     if triton_searches.available(x):      # on a CUDA device: one kernel, the same bits
-        return triton_searches.qp(x, w, nmax, GROUP_MAX_EPS)
+        with contextlib.suppress(triton_searches.KernelUnavailable):
+            return triton_searches.qp(x, w, nmax, GROUP_MAX_EPS)
     if NUMPY_SEARCHES_ON_CPU and x.device.type == "cpu":
         scale, L = _qp_search(_NumpyOps, x.contiguous().numpy(), w.contiguous().numpy(), nmax)
         return torch.from_numpy(scale), torch.from_numpy(L)

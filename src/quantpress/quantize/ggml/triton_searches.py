@@ -25,11 +25,15 @@ llama.cpp's bytes and the torch searches; ``scripts/gpu_checks.py --checks ggml`
 their CUDA bytes with the CPU's.
 
 Used when the tensor is on a CUDA device, Triton imports and ``QUANTPRESS_TRITON`` is not
-``0``; everything else takes the torch path.
+``0``; everything else takes the torch path. A kernel that cannot be compiled or launched
+(an older Triton, a GPU it does not support) raises :class:`KernelUnavailable` once, with a
+warning, and turns the kernels off for the process: the callers then take the torch path,
+which gives the same bytes.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -45,12 +49,20 @@ except ImportError:                     # pragma: no cover - depends on the inst
 BLOCK = 1 << 14 if os.environ.get("TRITON_INTERPRET") == "1" else 128
 
 
+class KernelUnavailable(RuntimeError):
+    """A kernel could not be compiled or launched; the caller takes the torch path."""
+
+
+_failure: str | None = None             # why the kernels were turned off, once one failed
+
+
 def available(x: torch.Tensor) -> bool:
     """True when ``x``'s searches run as Triton kernels: ``x`` on a CUDA device (or any
     device under ``TRITON_INTERPRET=1``, the interpreter the tests use) with fewer than 2^31
-    elements, Triton importable, and the environment variable ``QUANTPRESS_TRITON`` not
-    ``0``."""
-    if triton is None or os.environ.get("QUANTPRESS_TRITON", "1") == "0" or x.numel() >= 1 << 31:
+    elements, Triton importable, no kernel failed before in this process, and the environment
+    variable ``QUANTPRESS_TRITON`` not ``0``."""
+    if (triton is None or _failure is not None or os.environ.get("QUANTPRESS_TRITON", "1") == "0"
+            or x.numel() >= 1 << 31):
         return False                    # (the kernels index with int32)
     return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -347,7 +359,16 @@ def _on(x: torch.Tensor, a: np.ndarray) -> torch.Tensor:
 
 
 def _launch(kernel, S: int, *args, **meta) -> None:
-    kernel[(triton.cdiv(S, BLOCK),)](*args, BLOCK=BLOCK, enable_fp_fusion=False, **meta)
+    """Launch ``kernel`` over ``S`` lanes; a failure to compile or launch it turns the kernels
+    off (warning once) and raises :class:`KernelUnavailable`."""
+    global _failure
+    try:
+        kernel[(triton.cdiv(S, BLOCK),)](*args, BLOCK=BLOCK, enable_fp_fusion=False, **meta)
+    except Exception as e:              # Triton's compile and launch errors have no common base
+        _failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"quantpress: Triton kernel {getattr(kernel, '__name__', kernel)} failed ({_failure}); "
+                      "the GGUF codecs use torch operations instead (the same bytes, slower)", RuntimeWarning)
+        raise KernelUnavailable(_failure) from e
 
 
 def seq_sum(p: torch.Tensor, out: torch.Tensor | None, from_first: bool) -> torch.Tensor:

@@ -34,7 +34,8 @@ def test_triton_searches_match_llamacpp():
     # the torch path's bytes (llama.cpp's)
     fb = res.pop("fallback")
     assert fb["same"] and fb["off"], fb
-    assert len(fb["warnings"]) == 1 and "_qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
+    assert len(fb["warnings"]) == 1
+    assert "_qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
     assert len(res) == 9 * 2 + 9
     differ = [k for k, v in res.items() if not v["same"]]
     assert not differ, differ

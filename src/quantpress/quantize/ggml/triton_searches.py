@@ -174,6 +174,19 @@ if triton is not None:
         tl.store(min_ptr + offs, tl.where(degenerate, mn0, mn) * -1.0, mask=m)
 
     @triton.jit
+    def _first_absmax(x_ptr, offs, m, S, N: tl.constexpr, BLOCK: tl.constexpr):
+        # C: amax = 0; max = 0; for i: if (|x[i]| > amax) { amax = |x[i]|; max = x[i]; }
+        amax = tl.zeros((BLOCK,), tl.float32)
+        mx = tl.zeros((BLOCK,), tl.float32)
+        for i in range(N):
+            xi = tl.load(x_ptr + i * S + offs, mask=m, other=0.0)
+            ax = tl.abs(xi)
+            up = ax > amax
+            amax = tl.where(up, ax, amax)
+            mx = tl.where(up, xi, mx)
+        return mx, amax
+
+    @triton.jit
     def _qx_sums(x_ptr, w_ptr, offs, m, S, iscale, N: tl.constexpr, NMAX: tl.constexpr,
                  WEIGHTED: tl.constexpr):
         # sum over positions (from +0) of l*(w*x) and (w*l)*l, l = clamp(ni(iscale*x))
@@ -197,14 +210,7 @@ if triton is not None:
                    BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < S
-        amax = tl.zeros((BLOCK,), tl.float32)
-        mx = tl.zeros((BLOCK,), tl.float32)
-        for i in range(N):              # C: if (ax > amax) { amax = ax; max = x[i]; }
-            xi = tl.load(x_ptr + i * S + offs, mask=m, other=0.0)
-            ax = tl.abs(xi)
-            up = ax > amax
-            amax = tl.where(up, ax, amax)
-            mx = tl.where(up, xi, mx)
+        mx, amax = _first_absmax(x_ptr, offs, m, S, N, BLOCK)
         zero = amax < eps
         sel = tl.math.div_rn(tl.full(mx.shape, -NMAX, tl.float32), mx)
         sumlx, suml2 = _qx_sums(x_ptr, w_ptr, offs, m, S, sel, N, NMAX, WEIGHTED)
@@ -305,14 +311,7 @@ if triton is not None:
                    BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < S
-        amax = tl.zeros((BLOCK,), tl.float32)
-        mx = tl.zeros((BLOCK,), tl.float32)
-        for i in range(N):              # C: if (ax > amax) { amax = ax; max = x[i]; }
-            xi = tl.load(x_ptr + i * S + offs, mask=m, other=0.0)
-            ax = tl.abs(xi)
-            up = ax > amax
-            amax = tl.where(up, ax, amax)
-            mx = tl.where(up, xi, mx)
+        mx, amax = _first_absmax(x_ptr, offs, m, S, N, BLOCK)
         live = amax >= eps
         iscale = tl.math.div_rn(tl.full(mx.shape, -NMAX, tl.float32), mx)
         sumlx = tl.zeros_like(mx)

@@ -35,7 +35,7 @@ def test_triton_searches_match_llamacpp():
     fb = res.pop("fallback")
     assert fb["same"] and fb["off"], fb
     assert len(fb["warnings"]) == 1
-    assert "_qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
+    assert "Triton kernel qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
     assert len(res) == 9 * 2 + 9
     differ = [k for k, v in res.items() if not v["same"]]
     assert not differ, differ
@@ -43,6 +43,32 @@ def test_triton_searches_match_llamacpp():
     # round directly, with no search)
     direct = {"Q4_0/none", "Q4_1/none", "Q5_0/none", "Q5_1/none"}
     assert [k for k, v in res.items() if v["launches"] == 0] == sorted(direct, key=list(res).index)
+
+
+#: the float32 instructions the kernels may use: IEEE operations rounded to nearest (one
+#: rounding each, as C's), comparisons, selects, int -> float conversions
+ALLOWED_F32 = {"abs.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "cvt.rn.f32",
+               "max.f32", "min.f32", "selp.f32"}
+
+
+def test_kernels_compile_to_exact_float_instructions():
+    """Compiled for an H100 (sm_90, by Triton's own ptxas; no GPU needed) with quantpress's
+    options, no kernel has a fused multiply-add, an approximate division, reciprocal or
+    square root, or flush-to-zero: only the instructions of C's float32 arithmetic. The
+    control: the same kernel compiled with contraction allowed has fused multiply-adds."""
+    assert (TRITON_DIR / "triton").is_dir(), f"{TRITON_DIR}: missing (scripts/setup.sh --test installs it)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(REPO / "src")]))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "tests" / "triton_ptx.py")],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res.pop("control_fma") > 0
+    assert sorted(res) == ["q3_kernel", "qkx2_kernel", "qp_kernel", "qx_kernel", "seq_sum_kernel"]
+    for name, k in res.items():
+        other = [op for op in k["f32"] if op not in ALLOWED_F32 and not op.startswith("setp.")]
+        assert not other and not k["ftz"], (name, other, k["ftz"])
+        assert "div.rn.f32" in k["f32"] or name == "seq_sum_kernel", (name, k["f32"])
 
 
 def test_torch_path_off_cuda():

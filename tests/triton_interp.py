@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ggml_ref  # noqa: E402
 import quantpress.quantize.ggml as qg  # noqa: E402
 from quantpress.quantize.ggml import common, kquants, triton_searches as ts  # noqa: E402
+from quantpress.quantize.ggml import triton_kernels as tk  # noqa: E402
 from test_ggml_codecs import edge_rows  # noqa: E402
 from test_ggml_imatrix import _imatrix, _special_rows  # noqa: E402
 
@@ -39,7 +40,7 @@ def _bits(a: torch.Tensor) -> np.ndarray:
 
 
 def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1" and ts.triton is not None
+    assert os.environ.get("TRITON_INTERPRET") == "1" and ts.available(torch.zeros(1))
     for name in launches:
         setattr(ts, name, _counted(name))
     # rows of 1024: four super-blocks, each under another kind of importance vector (an
@@ -99,18 +100,17 @@ def main() -> None:
                                  "launches": n}
     # a kernel that cannot be compiled: one warning, the kernels off, the torch path's bytes
     class Broken:
-        __name__ = "_qx_kernel"
 
         def __getitem__(self, grid):
             raise RuntimeError("no such instruction")
-    kept = ts._qx_kernel
-    ts._qx_kernel = Broken()
+    kept = tk.qx_kernel
+    tk.qx_kernel = Broken()
     xq = x[:8]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = qg.quantize(torch.from_numpy(xq), "Q6_K").numpy()
         again = qg.quantize(torch.from_numpy(xq), "Q6_K").numpy()
-    ts._qx_kernel = kept
+    tk.qx_kernel = kept
     out["fallback"] = {"same": bool(np.array_equal(ours, ggml_ref.ref_quantize(xq, "Q6_K"))
                                     and np.array_equal(again, ours)),
                        "warnings": [str(w.message) for w in caught],

@@ -4,15 +4,15 @@ On a GPU the torch versions of :func:`kquants.make_qkx2_quants`, :func:`kquants.
 :func:`kquants.make_qp_quants` and :func:`kquants.make_q3_quants` are hundreds to thousands of
 small kernels per call (each step of a search one pass over the whole chunk per operation,
 the coordinate descents a host synchronization per pass), and :func:`common.seq_sum0` one
-per position; here each is one kernel, one program lane per sub-block (or group, or sum),
-with the same float32 operations in the same order, so the results are the same bits:
+per position; here each is one kernel (:mod:`triton_kernels`), one program lane per
+sub-block (or group, or sum), with the same float32 operations in the same order, so the
+results are the same bits:
 
 * the sequential sums of C (``for (i = 0; i < n; ++i) s += ...``) are loops over the
   sub-block's positions inside the kernel, one add per position, in C's order;
-* the kernels are compiled with ``enable_fp_fusion=False`` (no multiply-add contraction);
+* the kernels are compiled with :data:`COMPILE_OPTIONS` (no multiply-add contraction);
   divisions are ``div_rn`` (IEEE round to nearest; Triton's ``/`` may be approximate);
-* ``nearest_int`` is C's bit trick (``v + 12582912.0f``, the low 23 bits minus 2^22).
-
+* ``nearest_int`` is C's bit trick (``v + 12582912.0f``, the low 23 bits minus 2^22);
 * the coordinate descents run all of C's 5 passes: a pass that changes nothing leaves the
   state as it was, so the passes C skips after it would change nothing either;
 * a negation is ``v * -1.0``: Triton's unary minus is ``0 - v``, +0 for +0.
@@ -21,8 +21,9 @@ They reproduce llama.cpp's ``make_qkx2_quants``/``make_qkx3_quants``, ``make_qx_
 (rmse_type 1), ``make_qp_quants`` and ``make_q3_quants`` (do_rmse) in
 ``ggml/src/ggml-quants.c`` at 0c1e570 (llama-cpp-python 0.3.36), as the torch versions in
 :mod:`kquants` do: tests/test_triton_searches.py runs them in Triton's interpreter against
-llama.cpp's bytes and the torch searches; ``scripts/gpu_checks.py --checks ggml`` compares
-their CUDA bytes with the CPU's.
+llama.cpp's bytes and the torch searches, and checks the float32 instructions of their PTX
+for an H100; ``scripts/gpu_checks.py --checks ggml`` compares their CUDA bytes with the
+CPU's.
 
 Used when the tensor is on a CUDA device, Triton imports and ``QUANTPRESS_TRITON`` is not
 ``0``; everything else takes the torch path. A kernel that cannot be compiled or launched

@@ -3,8 +3,9 @@ CUDA devices) run here in Triton's interpreter on the CPU (``TRITON_INTERPRET=1`
 installed beside the environment by ``scripts/setup.sh --test``, not into it): every codec
 that uses them gives llama.cpp's bytes, with and without an importance matrix, on the edge
 rows, fuzz rows and special rows of the codec tests, and the searches equal the torch ones
-bit for bit. That the compiled kernels give the same bits on a GPU is checked by
-``scripts/gpu_checks.py --checks ggml`` (the README's "On a GPU")."""
+bit for bit; compiled for an H100 (no GPU needed), their float32 instructions are C's. That
+the compiled kernels give the same bits on a GPU is checked by ``scripts/gpu_checks.py
+--checks ggml`` (the README's "On a GPU")."""
 from __future__ import annotations
 
 import json

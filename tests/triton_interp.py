@@ -100,7 +100,6 @@ def main() -> None:
                                  "launches": n}
     # a kernel that cannot be compiled: one warning, the kernels off, the torch path's bytes
     class Broken:
-
         def __getitem__(self, grid):
             raise RuntimeError("no such instruction")
     kept = tk.qx_kernel

@@ -37,7 +37,7 @@ def test_triton_searches_match_llamacpp():
     assert fb["same"] and fb["off"], fb
     assert len(fb["warnings"]) == 1
     assert "Triton kernel qx_kernel failed (RuntimeError: no such instruction)" in fb["warnings"][0]
-    assert len(res) == 9 * 2 + 9
+    assert len(res) == 9 * 2 + 10
     differ = [k for k, v in res.items() if not v["same"]]
     assert not differ, differ
     # every case went through the kernels, except the legacy types' unweighted paths (they

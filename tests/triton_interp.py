@@ -72,6 +72,7 @@ def main() -> None:
     sz[:, 1:8] = xs[:5, :7] * 1e30                  # overflowing sums and signed zeros
     sz[:, 8] = -0.0                                 # (C's sum from +0 is +0 there)
     cases = {
+        "seq_sum empty": lambda: (common.seq_sum0(torch.zeros(4, 0)),),
         "qkx2": lambda: kquants.make_qkx2_quants(xs, w, 15, -1.0, 0.1, 20, False),
         "qkx2 mad": lambda: kquants.make_qkx2_quants(xs[:16], xs[:16].abs(), 3, -0.5, 0.1, 15, True),
         "qkx2 xmin": lambda: kquants.make_qkx2_quants(xs, w, 31, -0.9, 0.05, 36, False, xmin=xmin),

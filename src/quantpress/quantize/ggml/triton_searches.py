@@ -93,7 +93,9 @@ def _turn_off(what: str, e: BaseException) -> KernelUnavailable:
 def _launch(name: str, S: int, *args, **meta) -> None:
     """Launch the kernel ``name`` of :mod:`triton_kernels` over ``S`` lanes; a failure to
     import Triton, compile or launch the kernel turns the kernels off (warning once) and
-    raises :class:`KernelUnavailable`."""
+    raises :class:`KernelUnavailable`. Nothing to do for ``S`` = 0."""
+    if S == 0:
+        return
     try:
         kernels = importlib.import_module(".triton_kernels", __package__)
     except Exception as e:              # (not only ImportError: a broken installation)
@@ -108,7 +110,8 @@ def _launch(name: str, S: int, *args, **meta) -> None:
 def seq_sum(p: torch.Tensor, out: torch.Tensor | None, from_first: bool) -> torch.Tensor:
     """:func:`common.seq_sum0` in one kernel: float32 ``p`` [n, ...] (contiguous) -> the sums
     over its first axis, one add per row in row order, from +0 (or from ``p[0]``), written
-    into ``out`` when given (contiguous, ``p[0]``'s shape)."""
+    into ``out`` when given (contiguous, ``p[0]``'s shape). Raises :class:`KernelUnavailable`
+    (the kernels are then off; ``out`` is untouched)."""
     n = p.shape[0]
     if out is None:
         out = torch.empty(p.shape[1:], dtype=torch.float32, device=p.device)
@@ -122,7 +125,8 @@ def qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`kquants.make_qkx2_quants` in one kernel: ``x``, ``w`` float32 [n, S]
     (positions first), ``xmin`` float32 [S] or None. Returns (scale [S], the_min [S],
-    L float32 [n, S] of 0..nmax), the same bits as the torch version."""
+    L float32 [n, S] of 0..nmax), the same bits as the torch version. Raises
+    :class:`KernelUnavailable`."""
     n, S = x.shape
     x, w = x.contiguous(), w.contiguous()
     # C: rmin + rdelta*is + nmax, float32 operations (NumPy's float32 arrays round each)
@@ -137,10 +141,11 @@ def qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float
 
 
 def qx(x: torch.Tensor, nmax: int, w: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kquants.make_qx_quants` (rmse_type 1) in one kernel, for finite ``x`` float32
-    [n, S] (positions first) and weights ``w`` [n, S] or None (x²); ``eps``: the largest
-    |x| below which a sub-block is zero (GROUP_MAX_EPS). Returns (scale [S], L float32
-    [n, S] of 0..2*nmax-1), the same bits as the torch version."""
+    """:func:`kquants.make_qx_quants` (rmse_type 1) in one kernel, for ``x`` float32 [n, S]
+    (positions first; non-finite values as C takes them) and weights ``w`` [n, S] or None
+    (x²); ``eps``: the largest |x| below which a sub-block is zero (GROUP_MAX_EPS). Returns
+    (scale [S], L float32 [n, S] of 0..2*nmax-1), the same bits as the torch version.
+    Raises :class:`KernelUnavailable`."""
     n, S = x.shape
     x = x.contiguous()
     nums = _on(x, np.float32(nmax) + np.float32(0.1) * _STEPS_9)      # C: nmax + 0.1f*is
@@ -155,7 +160,7 @@ def qp(x: torch.Tensor, w: torch.Tensor, nmax: int, eps: float) -> tuple[torch.T
     """:func:`kquants.make_qp_quants` in one kernel: ``x``, ``w`` float32 [n, S] (value i of
     group s at ``x[i, s]``), ``eps``: the max below which a group is zero (GROUP_MAX_EPS).
     Returns (scale float32 [S], L int32 [n, S] of the stored uint8 values), the same bits as
-    the torch version."""
+    the torch version. Raises :class:`KernelUnavailable`."""
     n, S = x.shape
     x, w = x.contiguous(), w.contiguous()
     nums = _on(x, np.float32(0.1) * _STEPS_4 + np.float32(nmax))      # C: 0.1f*is + nmax
@@ -169,7 +174,7 @@ def q3(x: torch.Tensor, nmax: int, eps: float) -> tuple[torch.Tensor, torch.Tens
     """:func:`kquants.make_q3_quants` (do_rmse) in one kernel: ``x`` float32 [n, S]
     (positions first), ``eps``: the largest |x| below which a sub-block is zero
     (GROUP_MAX_EPS). Returns (scale float32 [S], L float32 [n, S] of 0..2*nmax-1), the same
-    bits as the torch version."""
+    bits as the torch version. Raises :class:`KernelUnavailable`."""
     n, S = x.shape
     x = x.contiguous()
     scale = torch.empty(S, dtype=torch.float32, device=x.device)

@@ -56,8 +56,8 @@ def seq_sum_kernel(p_ptr, out_ptr, S, N: tl.constexpr, FROM_FIRST: tl.constexpr,
 
 @triton.jit
 def qkx2_kernel(x_ptr, w_ptr, xmin_ptr, nums_ptr, scale_ptr, min_ptr, l_ptr, S,
-                 N: tl.constexpr, NMAX: tl.constexpr, NSTEP: tl.constexpr,
-                 USE_MAD: tl.constexpr, HAS_XMIN: tl.constexpr, BLOCK: tl.constexpr):
+                N: tl.constexpr, NMAX: tl.constexpr, NSTEP: tl.constexpr,
+                USE_MAD: tl.constexpr, HAS_XMIN: tl.constexpr, BLOCK: tl.constexpr):
     """llama.cpp ``make_qkx2_quants`` / ``make_qkx3_quants`` (ggml-quants.c, 0c1e570) for S
     sub-blocks of N values: ``x``, ``w`` float32 [N, S] positions first, ``xmin`` float32 [S]
     (read if ``HAS_XMIN``), ``nums`` float32 [NSTEP + 1] (the numerators rmin + rdelta*k +
@@ -160,8 +160,8 @@ def _qx_sums(x_ptr, w_ptr, offs, m, S, iscale, N: tl.constexpr, NMAX: tl.constex
 
 @triton.jit
 def qx_kernel(x_ptr, w_ptr, nums_ptr, scale_ptr, l_ptr, S, eps,
-               N: tl.constexpr, NMAX: tl.constexpr, WEIGHTED: tl.constexpr,
-               BLOCK: tl.constexpr):
+              N: tl.constexpr, NMAX: tl.constexpr, WEIGHTED: tl.constexpr,
+              BLOCK: tl.constexpr):
     """llama.cpp ``make_qx_quants`` (rmse_type 1) for S sub-blocks of N values: ``x``
     float32 [N, S] positions first, ``w`` [N, S] (read if ``WEIGHTED``, else x²), ``nums``
     float32 [18] (nmax + 0.1*t, t = -9..9 but 0), ``eps`` (GROUP_MAX_EPS) -> ``scale``
@@ -213,7 +213,7 @@ def _qp_mse(x_ptr, w_ptr, offs, m, S, iscale, N: tl.constexpr, NMAX: tl.constexp
 
 @triton.jit
 def qp_kernel(x_ptr, w_ptr, nums_ptr, scale_ptr, l_ptr, S, eps,
-               N: tl.constexpr, NMAX: tl.constexpr, BLOCK: tl.constexpr):
+              N: tl.constexpr, NMAX: tl.constexpr, BLOCK: tl.constexpr):
     """llama.cpp ``make_qp_quants`` for S groups of N values: ``x``, ``w`` float32 [N, S],
     ``nums`` float32 [8] (0.1*t + nmax, t = -4..4 but 0), ``eps`` -> ``scale`` float32 [S],
     ``l`` int32 [N, S] of the stored uint8 levels (:func:`kquants.make_qp_quants`)."""
@@ -272,7 +272,7 @@ def qp_kernel(x_ptr, w_ptr, nums_ptr, scale_ptr, l_ptr, S, eps,
 
 @triton.jit
 def q3_kernel(x_ptr, scale_ptr, l_ptr, S, eps, N: tl.constexpr, NMAX: tl.constexpr,
-               BLOCK: tl.constexpr):
+              BLOCK: tl.constexpr):
     """llama.cpp ``make_q3_quants`` (do_rmse) for S sub-blocks of N values: ``x`` float32
     [N, S] positions first, ``eps`` -> ``scale`` float32 [S], ``l`` float32 [N, S] of
     0..2*NMAX-1 (:func:`kquants.make_q3_quants`)."""

@@ -72,8 +72,21 @@ def test_kernels_compile_to_exact_float_instructions():
         assert "div.rn.f32" in k["f32"] or name == "seq_sum_kernel", (name, k["f32"])
 
 
-def test_torch_path_off_cuda():
-    """Outside the interpreter a CPU tensor never takes the kernels, whatever is installed."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    assert not triton_searches.available(torch.zeros(4, 4))
+def test_kernels_taken_only_where_they_apply(monkeypatch):
+    """With Triton importable, a CPU tensor takes the kernels only under the interpreter;
+    QUANTPRESS_TRITON=0, 2^31 elements or more (int32 indexing) and an earlier failure turn
+    them off."""
+    monkeypatch.setattr(triton_searches, "HAVE_TRITON", True)
+    monkeypatch.setattr(triton_searches, "_failure", None)
+    monkeypatch.delenv("QUANTPRESS_TRITON", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros(4, 4)
+    assert not triton_searches.available(x)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_searches.available(x)
+    assert not triton_searches.available(torch.empty(1 << 31, device="meta"))
+    monkeypatch.setenv("QUANTPRESS_TRITON", "0")
+    assert not triton_searches.available(x)
+    monkeypatch.delenv("QUANTPRESS_TRITON")
+    monkeypatch.setattr(triton_searches, "_failure", "RuntimeError: earlier")
+    assert not triton_searches.available(x)

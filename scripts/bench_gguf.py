@@ -33,9 +33,11 @@ round trip under the writer's read-ahead and window settings (``gguf_file.READ_A
 on the CPU, with the codecs forced to leave the round trip's checker its core or to keep every
 core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's own CPU ops
 (NaN/Inf checks, copies into the checkers' staging areas) in as many threads as there are
-cores instead of leaving the checker processes theirs, and with the checkers' staging areas
-(``gguf_roundtrip.STAGING_BYTES`` together) a quarter and half their size, each twice,
-alternating, after a warm-up run: what each setting is worth on this machine.
+cores instead of leaving the checker processes theirs, each tensor's check whole in one checker
+(``gguf_roundtrip.CHECK_PART_ELEMENTS`` unbounded) and up to as many checkers as idle cores
+(``VERIFY_WORKERS``), and with the checkers' staging areas (``gguf_roundtrip.STAGING_BYTES``
+together) a quarter and half their size, each twice, alternating, after a warm-up run: what
+each setting is worth on this machine.
 
 `--stages` adds, in one more process, quantize+write of the same plan without and with the
 round trip, each twice after a warm-up run, with the seconds spent in each of its parts:
@@ -433,6 +435,15 @@ for verify in (False, True):
             gguf_roundtrip.close_checkers()
             gguf_roundtrip.STAGING_BYTES = staging_default
             gguf_roundtrip.start_checkers(dev)
+        if verify and dev.type != "cpu":
+            # each tensor's check whole in one checker, then as many checkers as idle cores
+            part_default, workers_default = gguf_roundtrip.CHECK_PART_ELEMENTS, gguf_roundtrip.VERIFY_WORKERS
+            gguf_roundtrip.CHECK_PART_ELEMENTS = 1 << 62
+            once("round trip, each tensor whole to one checker", True, *defaults)
+            gguf_roundtrip.CHECK_PART_ELEMENTS = part_default
+            gguf_roundtrip.VERIFY_WORKERS = gguf_roundtrip.checker_limit()
+            once(f"round trip, up to {gguf_roundtrip.VERIFY_WORKERS} checkers", True, *defaults)
+            gguf_roundtrip.VERIFY_WORKERS = workers_default
 """
 
 

@@ -284,16 +284,23 @@ def test_write_gguf_many_needs_a_file():
         gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))
 
 
-@pytest.mark.parametrize("workers,processes", [(1, True), (3, True), (1, False), (3, False)])
-def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, workers,
-                                                   processes):
+@pytest.mark.parametrize("workers,processes,part", [(1, True, None), (3, True, None), (1, False, None),
+                                                   (3, False, None), (3, True, 1 << 14)])
+def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, request,
+                                                   workers, processes, part):
     """Every later tensor of a shape written with the data of the first tensor of that shape
     and type: sizes and both dequantizers agree, only the error against the source tells: exit
     3, the tensors named, nothing left; with the round trip in one or three checker
-    processes (three: as off the CPU), and in threads (where no process can be started)."""
+    processes (three: as off the CPU; also with every tensor over 2^14 values in parts), and
+    in threads (where no process can be started)."""
     from quantpress.cli.convert_main import main as convert_main
 
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: workers)
+    if part:
+        monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+        monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", part)
+        gguf_roundtrip.close_checkers()     # (new ones fork with these sizes)
+        request.addfinalizer(gguf_roundtrip.close_checkers)
     monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
     real = gguf_file.encode_many
     first: dict = {}
@@ -325,6 +332,62 @@ def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path,
         shas[processes] = [_sha(f) for f in tmps]
     assert reports[True] == reports[False] and shas[True] == shas[False]
     assert sum(len(r) for r in reports[True]) == sum(len(t.plan.tensors) for t in _fresh(prepared))
+
+
+def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, monkeypatch, request):
+    """Tensors handed to three checker processes in parts of at most four chunks of 2^12
+    values (the embedding, 12.6M values, in 768 parts): the parts of one tensor go to several
+    checkers, and the reports are the check's in threads of the same chunks, value for value
+    (the parts' figures summed in row order), the bytes the same. (Checkers forked for the
+    test: they keep the chunk size they were forked with.)"""
+    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 14)
+    gguf_roundtrip.close_checkers()
+    request.addfinalizer(gguf_roundtrip.close_checkers)
+    monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
+    sent: dict = {}
+    real_send = gguf_roundtrip.CheckerProcesses._send
+
+    def spy(self, c, request):
+        if request[0] == "check":
+            sent.setdefault(request[2], []).append((id(c), request[3]))
+        return real_send(self, c, request)
+    monkeypatch.setattr(gguf_roundtrip.CheckerProcesses, "_send", spy)
+    reports = {}
+    for processes in (True, False):
+        monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
+        t = _fresh(prepared, ["Q4_K_M"])[0]
+        out = tmp_path / f"{processes}.gguf"
+        GGUFTarget.write_together([t], [out], [Run(progress=False)])
+        assert t.roundtrip.ok, t.roundtrip.mismatches
+        reports[processes] = (t.roundtrip.tensors, _sha(out))
+    assert reports[True] == reports[False]
+    for index, st in enumerate(t.plan.tensors):
+        rows, cols = math.prod(st.shape[:-1]), st.shape[-1]
+        parts = [r for _, r in sent[index]]
+        assert sorted(parts) == list(gguf_roundtrip.check_parts(rows, cols)), st.name
+        assert (len(parts) > 1) == (st.numel > 1 << 14), (st.name, len(parts))
+    # the embedding and the output head (49,152 x 256: 768 parts of 64 rows) each on all three
+    big = [i for i, st in enumerate(t.plan.tensors) if st.numel == 49152 * 256]
+    assert len(big) == 2 and all(len(sent[i]) == 768 and len({c for c, _ in sent[i]}) == 3 for i in big)
+
+
+def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):
+    """check_parts: consecutive ranges of whole rows from 0 to the last row, each starting on a
+    chunk boundary of chunk_rows, none above the part size unless it is one chunk."""
+    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 3 << 12)
+    for rows, cols in [(1, 64), (7, 64), (1000, 64), (192, 64), (193, 64), (3, 1 << 15), (1000, 576), (9, 1)]:
+        parts = list(gguf_roundtrip.check_parts(rows, cols))
+        starts = {r0 for r0, _ in gguf_roundtrip.chunk_rows(rows, cols)}
+        assert parts[0][0] == 0 and parts[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        for r0, r1 in parts:
+            assert r0 in starts and (r1 in starts or r1 == rows), (rows, cols, r0, r1)
+            one_chunk = [(r0, r1)] == [c for c in gguf_roundtrip.chunk_rows(rows, cols) if c[0] == r0]
+            assert (r1 - r0) * cols <= gguf_roundtrip.CHECK_PART_ELEMENTS or one_chunk, (rows, cols, r0, r1)
+            assert (r1 - r0) * cols > gguf_roundtrip.CHECK_PART_ELEMENTS - gguf_roundtrip.VERIFY_CHUNK_ELEMENTS \
+                or r1 == rows or one_chunk
 
 
 @pytest.fixture

@@ -206,13 +206,35 @@ def gguf_py_decoder(tname: str) -> Callable[[np.ndarray], np.ndarray]:
 CHECK_PIECE_ELEMENTS = 1 << 18
 
 
+def _chunk_step(cols: int) -> int:
+    # rows of a verification chunk of rows ``cols`` wide
+    return max(1, VERIFY_CHUNK_ELEMENTS // max(1, cols))
+
+
 def chunk_rows(rows: int, cols: int) -> Iterator[tuple[int, int]]:
     """The row ranges ``(r0, r1)`` a tensor of ``rows`` x ``cols`` elements is checked in:
     consecutive, from 0 to ``rows``, about :data:`VERIFY_CHUNK_ELEMENTS` elements each (at
     least one row)."""
-    step = max(1, VERIFY_CHUNK_ELEMENTS // max(1, cols))
+    step = _chunk_step(cols)
     for r0 in range(0, rows, step):
         yield r0, min(rows, r0 + step)
+
+
+#: most elements of one tensor's check handed to one checker process: a larger tensor goes
+#: in parts of whole chunks (:func:`check_parts`), which the watch's checkers take side by
+#: side, so that the largest tensor (a model's embedding or output head, 20% of the 554M
+#: random llama) does not hold back the round trip's end on one core
+CHECK_PART_ELEMENTS = 1 << 24
+
+
+def check_parts(rows: int, cols: int) -> Iterator[tuple[int, int]]:
+    """The row ranges ``(r0, r1)`` in which a tensor of ``rows`` x ``cols`` elements is handed
+    to checker processes: consecutive, from 0 to ``rows``, on the boundaries of
+    :func:`chunk_rows`, about :data:`CHECK_PART_ELEMENTS` elements each (at least one chunk)."""
+    step = _chunk_step(cols)
+    per = step * max(1, CHECK_PART_ELEMENTS // (step * max(1, cols)))
+    for r0 in range(0, rows, per):
+        yield r0, min(rows, r0 + per)
 
 
 #: Lowest signal-to-noise ratio (dB) of a tensor's decoded data against its source that the
@@ -225,16 +247,21 @@ def chunk_rows(rows: int, cols: int) -> Iterator[tuple[int, int]]:
 MIN_SNR_DB = 3.0
 
 
-def drop_pages(reader: GGUFReader, rt) -> None:
+def drop_pages(reader: GGUFReader, rt, rows: tuple[int, int] | None = None) -> None:
     """Release the process's mapping of tensor ``rt``'s pages in ``reader``'s memory map
     (``madvise(MADV_DONTNEED)``; the pages stay in the page cache and are read again if the
     tensor is), so that reading a file tensor by tensor does not grow the process's RSS with
-    the whole file. A no-op where the platform has no ``madvise``."""
+    the whole file; ``rows``: only those of rows ``[r0, r1)`` (the pages they lie on). A
+    no-op where the platform has no ``madvise``."""
     mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = (int(rt.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
-    length = int(rt.data_offset) + int(rt.n_bytes) - start
+    begin, end = int(rt.data_offset), int(rt.data_offset) + int(rt.n_bytes)
+    if rows is not None:
+        row_bytes = reader_raw(rt).shape[1]
+        begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+    start = (begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = end - start
     try:
         mm.madvise(mmap.MADV_DONTNEED, start, length)
     except (OSError, ValueError):
@@ -252,42 +279,61 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | None,
-                  device: torch.device, rep: RoundTrip) -> None:
-    """The round trip of one tensor (:func:`verify_gguf`): ``rt`` the reader's tensor, ``st``
-    its plan, ``planned`` its ggml type, ``source`` the source tensor (None: ``st.load()``).
-    Appends a :class:`TensorReport` or the mismatch to ``rep``."""
+def _layout_mismatch(rt, st: SourceTensor, planned: str) -> str | None:
+    """The mismatch of file tensor ``rt`` against its plan (``st``, ggml type ``planned``):
+    another type or shape, or None."""
     tname = GGMLQuantizationType(rt.tensor_type).name
     shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
     if tname != planned or shape != tuple(st.shape):
-        rep.mismatches.append(f"{st.name}: file has {tname}{shape}, expected {planned}{st.shape}")
-        return
+        return f"{st.name}: file has {tname}{shape}, expected {planned}{st.shape}"
+    return None
+
+
+def _chunk_figures(rt, src: torch.Tensor, r0: int, r1: int, device: torch.device) -> list[tuple]:
+    """The checks of rows ``[r0, r1)`` of file tensor ``rt`` (its layout as planned), whose
+    source rows are ``src`` (float, [r1 - r0, values per row], CPU): for each verification
+    chunk (:func:`chunk_rows`; ``r0`` and ``r1`` on chunk boundaries, :func:`check_parts`),
+    ``(values where gguf-py's and our dequantization differ, Σ(x−x̂)², Σx², max |x−x̂|)``, the
+    sums in float64 of float32 pieces."""
+    tname = GGMLQuantizationType(rt.tensor_type).name
     raw = reader_raw(rt)
-    src = (st.load() if source is None else source).reshape(raw.shape[0], -1)
     cols = src.shape[1]
     theirs = gguf_py_decoder(tname)
     # in pieces of rows on the CPU (the whole chunk elsewhere): see CHECK_PIECE_ELEMENTS
     piece = max(1, CHECK_PIECE_ELEMENTS // cols) if device.type == "cpu" else raw.shape[0]
-    neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
-    for r0, r1 in chunk_rows(raw.shape[0], cols):
+    step = _chunk_step(cols)
+    out = []
+    for c0 in range(r0, r1, step):
+        c1 = min(r1, c0 + step)
         # gguf-py's values, then ours and the comparisons on ``device``, one sync per chunk
         figures = []
-        for p0 in range(r0, r1, piece):
-            p1 = min(r1, p0 + piece)
+        for p0 in range(c0, c1, piece):
+            p1 = min(c1, p0 + piece)
             ref = theirs(raw[p0:p1])
             ref_t = torch.from_numpy(ref if ref.flags.writeable else ref.copy()).to(device)  # (F32: a view of the map)
             ours = ggml.dequantize(torch.from_numpy(raw[p0:p1].copy()).to(device), tname).reshape(-1)
             ref_bits = ref_t.view(torch.int32)
             our_bits = ours.view(torch.int32)
             diff = ours.new_zeros(()) if _same_bits(ref_bits, our_bits) else (ref_bits != our_bits).sum()
-            x = src[p0:p1].to(device=device, dtype=torch.float32).reshape(-1)
+            x = src[p0 - r0:p1 - r0].to(device=device, dtype=torch.float32).reshape(-1)
             e = torch.sub(ours, x, out=ours)    # (ours is this piece's own, compared above)
             lo, hi = torch.aminmax(e)
             figures.append(torch.stack([diff.to(torch.float64), torch.dot(e, e).double(),
                                         torch.dot(x, x).double(), -lo.double(), hi.double()]))
         f = torch.stack(figures)
         d, se_c, sig_c, err_c = torch.cat([f[:, :3].sum(0), f[:, 3:].max().reshape(1)]).tolist()
-        neq += int(d)
+        out.append((int(d), se_c, sig_c, err_c))
+    return out
+
+
+def _tensor_report(st: SourceTensor, tname: str, n_bytes: int, figures: list[tuple], rep: RoundTrip) -> None:
+    """Conclude the check of tensor ``st`` (in the file: ggml type ``tname``, ``n_bytes``
+    bytes) from its chunks' figures (:func:`_chunk_figures`, all of its rows in order, summed
+    in that order): appends the :class:`TensorReport`, and the mismatches (the dequantizations
+    differ; SNR below :data:`MIN_SNR_DB`) to ``rep``."""
+    neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
+    for d, se_c, sig_c, err_c in figures:
+        neq += d
         se += se_c
         sig += sig_c
         max_err = max(max_err, err_c)
@@ -298,8 +344,22 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
     if snr < MIN_SNR_DB:
         rep.mismatches.append(f"{st.name}: its {tname} data decodes to {snr:.1f} dB SNR against the "
                               f"source tensor, below {MIN_SNR_DB:g} dB (another tensor's data?)")
-    rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), int(rt.n_bytes),
+    rep.tensors.append(TensorReport(st.name, tname, tuple(st.shape), n_bytes,
                                     math.sqrt(se / max(1, st.numel)), max_err, snr))
+
+
+def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | None,
+                  device: torch.device, rep: RoundTrip) -> None:
+    """The round trip of one tensor (:func:`verify_gguf`): ``rt`` the reader's tensor, ``st``
+    its plan, ``planned`` its ggml type, ``source`` the source tensor (None: ``st.load()``).
+    Appends a :class:`TensorReport` or the mismatch to ``rep``."""
+    bad = _layout_mismatch(rt, st, planned)
+    if bad is not None:
+        rep.mismatches.append(bad)
+        return
+    rows = reader_raw(rt).shape[0]
+    src = (st.load() if source is None else source).reshape(rows, -1)
+    _tensor_report(st, planned, int(rt.n_bytes), _chunk_figures(rt, src, 0, rows, device), rep)
 
 
 def _tensor_index(reader: GGUFReader, tensors: list[SourceTensor], rep: RoundTrip) -> dict:
@@ -578,14 +638,16 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
     """A checker process's loop (:func:`quantpress.runtime.fork_worker`): closes the
     ``inherited`` pipe ends, touches ``staging`` and answers ``("ready",)`` (the writer copies
     nothing into the area before). Requests: ``("open", key, path, [(name, shape)], types)``
-    (a file to check, whose header is on disk: parsed at once), ``("check", key, index,
-    source)`` (``source``: a CPU float tensor in shared memory, or ``(start, dtype, shape)``:
-    where it lies in ``staging``) and ``("close", key)`` (forget the file, unmapping it). Each
-    check is answered ``("checked", key, index, reports, mismatches, found, spans, error,
-    pid)``: :func:`_check_tensor`'s :class:`TensorReport` list and mismatches, whether the
-    tensor was in the file, the check's (t0, t1) span in ``time.monotonic`` seconds (the
-    first check of a file also the parse's), the exception it raised (or None) and the
-    process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
+    (a file to check, whose header is on disk: parsed at once), ``("check", key, index, (r0,
+    r1), source)`` (rows ``[r0, r1)`` of tensor ``index``, a part of :func:`check_parts`;
+    ``source``: those rows of its source, a CPU float tensor in shared memory, or ``(start,
+    dtype, shape)``: where they lie in ``staging``) and ``("close", key)`` (forget the file,
+    unmapping it). Each check is answered ``("checked", key, index, r0, result, mismatches,
+    found, spans, error, pid)``: ``(ggml type, bytes in the file, the chunks' figures of
+    :func:`_chunk_figures`)`` or None (the tensor's layout is not as planned, or it is not in
+    the file: ``mismatches`` says which), whether the tensor was in the file, the check's (t0,
+    t1) span in ``time.monotonic`` seconds (the first check of a file also the parse's), the
+    exception it raised (or None) and the process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
     however it ends, closes it. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread
     ends, and the checkers outlive the thread that started them.)"""
     for end in inherited:
@@ -616,31 +678,37 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
         if kind == "close":
             files.pop(key, None)
             continue
-        _, _, index, source = request
+        _, _, index, (r0, r1), source = request
         request = None
         if isinstance(source, tuple):
             source = staging.view(*source)
         t0 = time.monotonic()
-        rep, found, error, spans = RoundTrip(), False, None, []
+        mismatches, result, found, error, spans = [], None, False, None, []
         try:
             f = files[key]
             spans = [f.pop("parse")] if "parse" in f else []
-            rep.mismatches.extend(f["mismatches"])
+            mismatches.extend(f["mismatches"])
             if f["reader"] is not None:
                 st = f["tensors"][index]
                 rt = f["by_name"].get(st.name)
                 if rt is None:
-                    rep.mismatches.append(f"{st.name}: missing from the file")
+                    mismatches.append(f"{st.name}: missing from the file")
                 else:
-                    with torch.no_grad():
-                        _check_tensor(rt, st, f["types"][st.name], source, cpu, rep)
-                    drop_pages(f["reader"], rt)
                     found = True
+                    planned = f["types"][st.name]
+                    bad = _layout_mismatch(rt, st, planned)
+                    if bad is not None:
+                        mismatches.append(bad)
+                    else:
+                        with torch.no_grad():
+                            figures = _chunk_figures(rt, source.reshape(r1 - r0, -1), r0, r1, cpu)
+                        result = (planned, int(rt.n_bytes), figures)
+                    drop_pages(f["reader"], rt, (r0, r1))
         except Exception as e:  # noqa: BLE001 - the check's failure, sent back
-            error = sendable(e)
+            error, found = sendable(e), False
         del source
         spans.append((t0, time.monotonic()))
-        conn.send(("checked", key, index, rep.tensors, rep.mismatches, found, spans, error, os.getpid()))
+        conn.send(("checked", key, index, r0, result, mismatches, found, spans, error, os.getpid()))
 
 
 @dataclass
@@ -698,11 +766,12 @@ class CheckerProcesses:
             self._send(c, ("open", watch.key, str(watch.path), plan, watch.types))
         return [c for c in members if c in self._checkers]
 
-    def submit(self, watch: "RoundTripProcessWatch", index: int, source: torch.Tensor) -> None:
-        """Hand ``watch``'s tensor ``index`` and its source to the one of its checkers with the
-        fewest checks waiting that can take it: copied into that checker's staging area, or
-        if larger than the area, alone in shared memory of its own, at most one such waiting
-        per checker. Waits (taking answers in) while none can."""
+    def submit(self, watch: "RoundTripProcessWatch", index: int, rows: tuple[int, int],
+               source: torch.Tensor) -> None:
+        """Hand rows ``[r0, r1)`` of ``watch``'s tensor ``index`` and their source to the one
+        of its checkers with the fewest checks waiting that can take it: copied into that
+        checker's staging area, or if larger than the area, alone in shared memory of its
+        own, at most one such waiting per checker. Waits (taking answers in) while none can."""
         self._take(0)
         source = source.detach()
         nbytes = source.numel() * source.element_size()
@@ -724,7 +793,7 @@ class CheckerProcesses:
                         continue
                     request = (entry[0], source.dtype, tuple(source.shape))
                     c.staging.view(*request).copy_(source)
-                if self._send(c, ("check", watch.key, index, request)):
+                if self._send(c, ("check", watch.key, index, rows, request)):
                     c.pending.append((watch, entry))
                     watch.pending += 1
                     return
@@ -808,11 +877,11 @@ class CheckerProcesses:
                 continue
             try:
                 while c.pending and c.conn.poll():
-                    _, key, index, reports, mismatches, found, spans, error, pid = c.conn.recv()
+                    _, key, index, r0, result, mismatches, found, spans, error, pid = c.conn.recv()
                     watch, entry = c.pending.pop(0)
                     if entry is not None:
                         c.staging.give_back(entry)
-                    watch.answered(index, reports, mismatches, found, spans, error, pid)
+                    watch.answered(index, r0, result, mismatches, found, spans, error, pid)
             except (EOFError, OSError):
                 self._bury(c)
 
@@ -867,9 +936,12 @@ class RoundTripProcessWatch:
     :func:`verify_gguf`, the same :class:`RoundTrip`) run in ``workers`` checker processes of
     ``pool`` (:class:`CheckerProcesses`) instead of threads: they neither hold back the
     quantization in this process nor each other. Each process parses the file as soon as it
-    is announced (:meth:`start`). :meth:`written` copies the source tensor into a checker's
-    staging area (:data:`STAGING_BYTES`) and hands it over; our dequantization runs on the checker's CPU, whatever the writer's device (the
-    codecs' bytes and values are the same on every device: ``scripts/gpu_checks.py``).
+    is announced (:meth:`start`). :meth:`written` copies the source tensor into checkers'
+    staging areas (:data:`STAGING_BYTES`) and hands it over, a large one in parts of rows
+    (:func:`check_parts`) that several checkers take side by side; the tensor's report is
+    made from its parts' figures in row order, so it is the one a single check makes. Our
+    dequantization runs on the checker's CPU, whatever the writer's device (the codecs' bytes
+    and values are the same on every device: ``scripts/gpu_checks.py``).
     ``seconds``: the wall time during which any checker was checking this file."""
 
     def __init__(self, path: Path, tensors: list[SourceTensor], types: dict[str, str],
@@ -882,6 +954,7 @@ class RoundTripProcessWatch:
         self._checked: set[str] = set()
         self._spans: list[tuple[float, float]] = []
         self._pids: set[int] = set()
+        self._parts: dict[int, list] = {}      # index -> [parts, parts unanswered, {r0: result}, all found]
 
     def start(self) -> None:
         """Announce the file to the checkers (each parses it at once)."""
@@ -892,16 +965,33 @@ class RoundTripProcessWatch:
         Raises the error of an earlier check (a checker died or raised)."""
         if self.error is not None:
             raise self.error
-        self.pool.submit(self, index, source)
+        st = self.tensors[index]
+        rows, cols = st.numel // st.shape[-1], st.shape[-1]
+        source = source.detach().reshape(rows, cols)
+        parts = list(check_parts(rows, cols))
+        self._parts[index] = [len(parts), len(parts), {}, True]
+        for r0, r1 in parts:
+            self.pool.submit(self, index, (r0, r1), source[r0:r1])
 
-    def answered(self, index: int, reports: list, mismatches: list[str], found: bool,
+    def answered(self, index: int, r0: int, result: tuple | None, mismatches: list[str], found: bool,
                  spans: list[tuple[float, float]], error: BaseException | None, pid: int) -> None:
-        """A checker's answer for tensor ``index`` (:func:`_serve_checks`)."""
+        """A checker's answer for the part of tensor ``index`` from row ``r0``
+        (:func:`_serve_checks`); the tensor's report once all of its parts are answered."""
         self.pending -= 1
-        self.rep.tensors.extend(reports)
         self.rep.mismatches.extend(m for m in mismatches if m not in self.rep.mismatches)
-        if found:
-            self._checked.add(self.tensors[index].name)
+        part = self._parts[index]
+        part[1] -= 1
+        part[3] = part[3] and found
+        if result is not None:
+            part[2][r0] = result
+        if part[1] == 0:
+            del self._parts[index]
+            st, results = self.tensors[index], [part[2][r] for r in sorted(part[2])]
+            if part[3]:
+                self._checked.add(st.name)
+            if len(results) == part[0]:         # (else a mismatch or an error says why)
+                tname, n_bytes, _ = results[0]
+                _tensor_report(st, tname, n_bytes, [f for *_, figures in results for f in figures], self.rep)
         if error is not None and self.error is None:
             self.error = error
         self._spans.extend(spans)

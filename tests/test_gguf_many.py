@@ -335,13 +335,13 @@ def test_round_trip_in_processes_reports_what_threads_report(prepared, tmp_path,
 
 
 def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, monkeypatch, request):
-    """Tensors handed to three checker processes in parts of at most four chunks of 2^12
-    values (the embedding, 12.6M values, in 768 parts): the parts of one tensor go to several
+    """Tensors handed to three checker processes in parts of at most sixteen chunks of 2^12
+    values (the embedding, 12.6M values, in 192 parts): the parts of one tensor go to several
     checkers, and the reports are the check's in threads of the same chunks, value for value
     (the parts' figures summed in row order), the bytes the same. (Checkers forked for the
     test: they keep the chunk size they were forked with.)"""
     monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 14)
+    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 16)
     gguf_roundtrip.close_checkers()
     request.addfinalizer(gguf_roundtrip.close_checkers)
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
@@ -366,10 +366,10 @@ def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, 
         rows, cols = math.prod(st.shape[:-1]), st.shape[-1]
         parts = [r for _, r in sent[index]]
         assert sorted(parts) == list(gguf_roundtrip.check_parts(rows, cols)), st.name
-        assert (len(parts) > 1) == (st.numel > 1 << 14), (st.name, len(parts))
-    # the embedding and the output head (49,152 x 256: 768 parts of 64 rows) each on all three
+        assert (len(parts) > 1) == (st.numel > 1 << 16), (st.name, len(parts))
+    # the embedding and the output head (49,152 x 256: 192 parts of 256 rows) each on all three
     big = [i for i, st in enumerate(t.plan.tensors) if st.numel == 49152 * 256]
-    assert len(big) == 2 and all(len(sent[i]) == 768 and len({c for c, _ in sent[i]}) == 3 for i in big)
+    assert len(big) == 2 and all(len(sent[i]) == 192 and len({c for c, _ in sent[i]}) == 3 for i in big)
 
 
 def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):

@@ -34,8 +34,10 @@ on the CPU, with the codecs forced to leave the round trip's checker its core or
 core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's own CPU ops
 (NaN/Inf checks, copies into the checkers' staging areas) in as many threads as there are
 cores instead of leaving the checker processes theirs, each tensor's check whole in one checker
-(``gguf_roundtrip.CHECK_PART_ELEMENTS`` unbounded) and up to as many checkers as idle cores
-(``VERIFY_WORKERS``), and with the checkers' staging areas (``gguf_roundtrip.STAGING_BYTES``
+(``gguf_roundtrip.CHECK_PART_ELEMENTS`` unbounded), up to as many checkers as idle cores
+(``VERIFY_WORKERS``) and our half of the check (our dequantization, the error against the
+source) in the checkers instead of on the writer's device (``FIGURES_ON_WRITER = False``: the
+sources copied to them), and with the checkers' staging areas (``gguf_roundtrip.STAGING_BYTES``
 together) a quarter and half their size, each twice, alternating, after a warm-up run: what
 each setting is worth on this machine.
 
@@ -444,6 +446,10 @@ for verify in (False, True):
             gguf_roundtrip.VERIFY_WORKERS = gguf_roundtrip.checker_limit()
             once(f"round trip, up to {gguf_roundtrip.VERIFY_WORKERS} checkers", True, *defaults)
             gguf_roundtrip.VERIFY_WORKERS = workers_default
+            # our dequantization and the error sums in the checkers, the sources copied to them
+            gguf_roundtrip.FIGURES_ON_WRITER = False
+            once("round trip, our half in the checkers (sources staged)", True, *defaults)
+            gguf_roundtrip.FIGURES_ON_WRITER = None
 """
 
 

@@ -92,6 +92,10 @@ With ``--round-trip [MODEL]`` only the GGUF round trip's check (``convert.gguf_r
 of MODEL's Q4_K_M (default SmolLM2) on one thread, in pieces of ``CHECK_PIECE_ELEMENTS``
 against whole chunks, two runs each.
 
+With ``--check-costs`` only what one round-trip check costs per value, by part, on one thread:
+both halves in the checker (gguf-py's and our dequantization, the bit comparison, the error
+sums) against gguf-py's half with the checksums of each row (the writer computing our half).
+
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
@@ -928,6 +932,55 @@ def round_trip(model: Path) -> None:
         print(f"  {way:<60s} {min(ts):.2f}-{max(ts):.2f} s")
 
 
+def check_costs() -> None:
+    """What one round-trip check costs per value, by part, on one thread (4096 x 1536
+    Gaussian float16 weights; pieces of ``CHECK_PIECE_ELEMENTS``, three passes): gguf-py's
+    dequantization, ours, the bit comparison, the source widened to float32, the error, its
+    two dot products and its extremes (the checker's work when it computes both halves), and
+    the checksums of each row of gguf-py's values (``gguf_roundtrip._row_checksums_np``: the
+    checker's work besides gguf-py's when the writer computes our half,
+    ``gguf_roundtrip.writer_figures``). Nanoseconds per value, for Q4_K, Q6_K, Q5_0, Q8_0."""
+    from quantpress.convert import gguf_roundtrip as rt
+    from quantpress.quantize import ggml
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 4096, 1536
+    src = (torch.randn(rows, cols, generator=g) * 0.02).half()
+    piece = max(1, rt.CHECK_PIECE_ELEMENTS // cols)
+    for tname in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+        raw = ggml.quantize(src.float(), tname).numpy().reshape(rows, -1)
+        theirs = rt.gguf_py_decoder(tname)
+        spent = dict.fromkeys(("gguf-py", "ours", "bits", "widen", "error", "dots", "extremes", "checksums"), 0.0)
+        for _ in range(3):
+            for p0 in range(0, rows, piece):
+                p1 = min(rows, p0 + piece)
+                t = time.perf_counter()
+                ref = theirs(raw[p0:p1])
+                spent["gguf-py"] += (t1 := time.perf_counter()) - t
+                ours = ggml.dequantize(torch.from_numpy(raw[p0:p1].copy()), tname).reshape(-1)
+                spent["ours"] += (t2 := time.perf_counter()) - t1
+                np.array_equal(ref.view(np.int32), ours.numpy().view(np.int32))
+                spent["bits"] += (t3 := time.perf_counter()) - t2
+                x = src[p0:p1].to(torch.float32).reshape(-1)
+                spent["widen"] += (t4 := time.perf_counter()) - t3
+                e = torch.sub(ours, x, out=ours)
+                spent["error"] += (t5 := time.perf_counter()) - t4
+                torch.dot(e, e).double(), torch.dot(x, x).double()
+                spent["dots"] += (t6 := time.perf_counter()) - t5
+                torch.aminmax(e)
+                spent["extremes"] += (t7 := time.perf_counter()) - t6
+                rt._row_checksums_np(ref.reshape(p1 - p0, cols))
+                spent["checksums"] += time.perf_counter() - t7
+        ns = {k: v / (3 * rows * cols) * 1e9 for k, v in spent.items()}
+        both = sum(v for k, v in ns.items() if k != "checksums")
+        print(f"{tname}: ns per value " + ", ".join(f"{k} {v:.2f}" for k, v in ns.items())
+              + f"; the check with both halves {both:.2f}, gguf-py's half and the checksums "
+              f"{ns['gguf-py'] + ns['checksums']:.2f}")
+
+
 def exit_freeze() -> None:
     """``convert hf-to-gguf`` of SmolLM2 to Q4_K_M, three times each way, alternating: as the
     console command ends it (``cli.common.exit_with``: the run's objects frozen out of the
@@ -998,6 +1051,9 @@ def main() -> int:
                          "pieces against whole chunks")
     ap.add_argument("--exit", action="store_true",
                     help="only the console commands' exit (gc.freeze) against a plain sys.exit")
+    ap.add_argument("--check-costs", action="store_true",
+                    help="only what a round-trip check costs per value, by part, with both halves "
+                         "in the checker and with the writer's checksums")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
@@ -1023,6 +1079,9 @@ def main() -> int:
         return 0
     if args.exit:
         exit_freeze()
+        return 0
+    if args.check_costs:
+        check_costs()
         return 0
     if args.select:
         state_select()

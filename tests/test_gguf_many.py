@@ -284,18 +284,21 @@ def test_write_gguf_many_needs_a_file():
         gguf_file.write_gguf_many([], "llama", [], torch.device("cpu"))
 
 
-@pytest.mark.parametrize("workers,processes,part", [(1, True, None), (3, True, None), (1, False, None),
-                                                   (3, False, None), (3, True, 1 << 14)])
+@pytest.mark.parametrize("workers,processes,part,writer", [(1, True, None, False), (3, True, None, False),
+                                                          (1, False, None, False), (3, False, None, False),
+                                                          (3, True, 1 << 14, False), (3, True, 1 << 14, True)])
 def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, monkeypatch, capsys, request,
-                                                   workers, processes, part):
+                                                   workers, processes, part, writer):
     """Every later tensor of a shape written with the data of the first tensor of that shape
     and type: sizes and both dequantizers agree, only the error against the source tells: exit
     3, the tensors named, nothing left; with the round trip in one or three checker
-    processes (three: as off the CPU; also with every tensor over 2^14 values in parts), and
-    in threads (where no process can be started)."""
+    processes (three: as off the CPU; also with every tensor over 2^14 values in parts, and
+    with the error computed by the writer, as off the CPU), and in threads (where no process
+    can be started)."""
     from quantpress.cli.convert_main import main as convert_main
 
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: workers)
+    monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", writer)
     if part:
         monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
         monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", part)
@@ -372,6 +375,97 @@ def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, 
     assert len(big) == 2 and all(len(sent[i]) == 192 and len({c for c, _ in sent[i]}) == 3 for i in big)
 
 
+@pytest.fixture
+def figures_on_writer(monkeypatch, request):
+    """The writer computing our half of the round trip (as off the CPU: FIGURES_ON_WRITER) on
+    the CPU, three checkers, tensors over 2^16 values in parts (chunks of 2^12); checkers
+    forked for the test."""
+    monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", True)
+    monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
+    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 16)
+    gguf_roundtrip.close_checkers()
+    request.addfinalizer(gguf_roundtrip.close_checkers)
+
+
+def test_writer_figures_report_what_the_checkers_report(prepared, tmp_path, monkeypatch, figures_on_writer):
+    """The writer's own error sums with checksums to the checkers: the same bytes, every
+    tensor checked, the same maximum errors as the checks in threads and RMSE and SNR within
+    float32's rounding of other sums (the writer sums whole chunks, the threads pieces of
+    2^18 values); no source copied into a staging area."""
+    copies = []
+    real = gguf_roundtrip._Staging.take
+    monkeypatch.setattr(gguf_roundtrip._Staging, "take", lambda self, n: copies.append(n) or real(self, n))
+    written = _processes_then_threads(prepared, tmp_path, monkeypatch, ["Q4_K_M", "Q6_K"])
+    for processes, (targets, _) in written.items():
+        assert [t.roundtrip.checker_processes for t in targets] == ([3, 3] if processes else [0, 0])
+    reports = {k: ([t.roundtrip.tensors for t in targets], shas) for k, (targets, shas) in written.items()}
+    assert not copies
+    assert reports[True][1] == reports[False][1]
+    for ours, theirs in zip(*(reports[k][0] for k in (True, False))):
+        assert len(ours) == len(theirs) == len(targets[0].plan.tensors)
+        for a, b in zip(ours, theirs):
+            assert (a.name, a.type, a.shape, a.n_bytes, a.max_abs_err) == (b.name, b.type, b.shape, b.n_bytes,
+                                                                           b.max_abs_err)
+            assert a.rmse == pytest.approx(b.rmse, rel=1e-5) and a.snr_db == pytest.approx(b.snr_db, rel=1e-6)
+
+
+def test_writer_figures_catch_a_file_that_is_not_what_was_written(prepared, tmp_path, monkeypatch, figures_on_writer):
+    """The writer computing the error sums: the bytes of every Q4_K tensor changed on their
+    way to the file (one byte in every 40th block), after the writer's figures were taken from
+    the bytes it meant to write: the checkers' checksums of gguf-py's values find exactly
+    those rows, tensor by tensor, and only those tensors fail."""
+    from gguf import GGUFWriter
+
+    t = _fresh(prepared, ["Q4_K_M"])[0]
+    size = {st.name: st.numel // 256 * 144 for st in t.plan.tensors if t.plan.types[st.name] == "Q4_K"}
+    others = {math.prod(st.shape[:-1]) * gguf_file.ggml.get(t.plan.types[st.name]).row_bytes(st.shape[-1])
+              for st in t.plan.tensors if st.name not in size}
+    # the rows holding a changed block (every 40th of the tensor's blocks, cols / 256 a row)
+    expected = {st.name: len({b // (st.shape[-1] // 256) for b in range(0, st.numel // 256, 40)})
+                for st in t.plan.tensors if st.name in size and size[st.name] not in others}
+    assert len(expected) > 10 and {st.shape[-1] for st in t.plan.tensors if st.name in expected} == {256, 768}
+    real = GGUFWriter.write_tensor_data
+
+    def corrupt(self, data, *args, **kwargs):
+        if data.nbytes in set(size.values()) - others:          # (a Q4_K block: 144 bytes)
+            rows = data.copy().reshape(-1, 144)
+            rows[::40, 20] ^= 0x11                                # two levels of the block's first sub-blocks
+            data = rows.reshape(-1)
+        return real(self, data, *args, **kwargs)
+    monkeypatch.setattr(GGUFWriter, "write_tensor_data", corrupt)
+    GGUFTarget.write_together([t], [tmp_path / "o.gguf"], [Run(progress=False)])
+    got = {m.split(":")[0]: m for m in t.roundtrip.mismatches}
+    assert got == {name: f"{name}: gguf-py and quantpress dequantize differ in {n} rows (Q4_K)"
+                   for name, n in expected.items()}, t.roundtrip.mismatches
+
+
+def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
+    """row_checksums (the writer's, torch) and the checker's NumPy version give the same int64
+    pairs on every kind of float32 (signed zeros, infinities, NaN, subnormals, extremes); one
+    value changed changes the first checksum of its row only, two values of a row exchanged
+    the second only; on rows of 300,000 values with the largest bit patterns, too."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1536, generator=g) * torch.logspace(-40, 38, 64).unsqueeze(1)
+    x.view(-1)[:8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3.4e38, 3.4e38])
+    x[5] = -0.0
+    ours = gguf_roundtrip.row_checksums(x)
+    assert ours.dtype == torch.int64 and ours.shape == (64, 2)
+    assert np.array_equal(ours.numpy(), gguf_roundtrip._row_checksums_np(x.numpy()))
+    y = x.clone()
+    y[7, 100] = torch.nextafter(y[7, 100], torch.tensor(math.inf))
+    y[9, [3, 1000]] = y[9, [1000, 3]]
+    differ = (gguf_roundtrip.row_checksums(y) != ours).numpy()
+    assert differ[7].tolist() == [True, True] and differ[9].tolist() == [False, True]
+    assert not np.delete(differ, [7, 9], axis=0).any()
+    # rows of 300,000 values (a weight period of 13), every bit pattern near ±2^31:
+    # NumPy's float64 sums stay exact
+    u = torch.rand(3, 300_000, generator=g) * 0.5 + 0.5
+    wide = torch.stack([u[0] * 3.4e38, -u[1] * 1e-38, u[2] * 3e38])    # bits 2^31 - 2^23 .. 2^31, and -2^31 + ...
+    wide[2, ::3] = -0.0
+    assert np.array_equal(gguf_roundtrip.row_checksums(wide).numpy(), gguf_roundtrip._row_checksums_np(wide.numpy()))
+
+
 def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):
     """check_parts: consecutive ranges of whole rows from 0 to the last row, each starting on a
     chunk boundary of chunk_rows, none above the part size unless it is one chunk."""
@@ -388,6 +482,21 @@ def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):
             assert (r1 - r0) * cols <= gguf_roundtrip.CHECK_PART_ELEMENTS or one_chunk, (rows, cols, r0, r1)
             assert (r1 - r0) * cols > gguf_roundtrip.CHECK_PART_ELEMENTS - gguf_roundtrip.VERIFY_CHUNK_ELEMENTS \
                 or r1 == rows or one_chunk
+
+
+def _processes_then_threads(prepared, tmp_path, monkeypatch, policies) -> dict:
+    """``policies`` written together with their round trips in checker processes, then in
+    threads (``USE_PROCESSES``), every round trip ok: {processes: (targets, sha256 of each
+    file)}."""
+    out = {}
+    for processes in (True, False):
+        monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
+        targets = _fresh(prepared, policies)
+        tmps = [tmp_path / f"{t.options.policy}-{processes}.gguf" for t in targets]
+        GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
+        assert all(t.roundtrip.ok for t in targets), [t.roundtrip.mismatches for t in targets]
+        out[processes] = (targets, [_sha(f) for f in tmps])
+    return out
 
 
 @pytest.fixture
@@ -407,16 +516,11 @@ def test_round_trip_through_a_small_staging_area(prepared, tmp_path, monkeypatch
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
     sizes = [(x := st.load()).numel() * x.element_size() for st in _fresh(prepared, ["Q4_K_M"])[0].plan.tensors]
     assert max(sizes) > 140_000 and sum(s for s in sizes if s <= 140_000) > 5 * 140_000, sizes
-    reports = {}
-    for processes in (True, False):
-        monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
-        targets = _fresh(prepared, ["Q4_K_M", "Q8_0"])
-        tmps = [tmp_path / f"{t.options.policy}-{processes}.gguf" for t in targets]
-        GGUFTarget.write_together(targets, tmps, [Run(progress=False)] * len(targets))
-        assert all(t.roundtrip.ok for t in targets), [t.roundtrip.mismatches for t in targets]
+    written = _processes_then_threads(prepared, tmp_path, monkeypatch, ["Q4_K_M", "Q8_0"])
+    for processes, (targets, _) in written.items():
         n = [t.roundtrip.checker_processes for t in targets]
         assert all(1 <= k <= 3 for k in n) if processes else n == [0, 0], n
-        reports[processes] = ([t.roundtrip.tensors for t in targets], [_sha(f) for f in tmps])
+    reports = {k: ([t.roundtrip.tensors for t in targets], shas) for k, (targets, shas) in written.items()}
     assert reports[True] == reports[False]
 
 

@@ -288,7 +288,10 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     size once its header is written, gguf-py's reader parses it in a checker process of its
     own, and each tensor is checked there as soon as it is on disk, against the source tensor
     just read, while the next is quantized; the sources wait in the checkers' staging areas,
-    ``STAGING_BYTES`` together; with the codecs off the CPU the writer's own torch ops on the
+    ``STAGING_BYTES`` together; off the CPU the writer computes our half of each check on its
+    device from the bytes it wrote, and the checkers compare gguf-py's values of the file
+    with checksums of ours, :func:`~quantpress.convert.gguf_roundtrip.writer_figures`;
+    with the codecs off the CPU the writer's own torch ops on the
     CPU leave the checker processes their cores, on the CPU the codecs do so when most weights
     go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the order of
     ``files``; else None. RuntimeError when a checker process dies.
@@ -440,16 +443,18 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             # ahead of the header are not quantized again), then write its tensors in order to
             # every file and hand each to the round trip
             raws = encodings([(index, x) for index, _, x in window if x is not None])
-            for index, t, _ in window:
+            for index, t, x in window:
+                written = []
                 for f, (w, *_) in enumerate(writers):
                     raw = ahead_of_header.pop((index, f), None)
-                    w.write_tensor_data((raws[index, f] if raw is None else raw).reshape(-1))
+                    written.append(raws[index, f] if raw is None else raw)
+                    w.write_tensor_data(written[-1].reshape(-1))
                 if watches:
                     for w, *_ in writers:
                         for f in w.fout:
                             f.flush()
-                    for watch in watches:
-                        watch.written(index, t)
+                    for watch, raw in zip(watches, written):
+                        watch.written(index, t, raw, x if device.type != "cpu" else None)
             raws.clear()
             window.clear()
             trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)

@@ -8,6 +8,10 @@ The checks beside the writing run in checker processes of their own where they c
 calls issued from Python, each holding the interpreter lock while it is dispatched, so a
 check in a thread slows the quantization beside it even on idle cores, and several threads
 of checks serialize (``scripts/bench_gguf.py`` prints the round trip's share of the stage).
+Off the CPU the writer computes our half of each check on its device (our dequantization of
+the bytes it wrote, the error against the source, checksums of each row of our values) and the
+checkers only re-read the file, dequantize it with gguf-py and compare the rows' checksums
+(:func:`figures_on_writer`, :func:`writer_figures`).
 """
 from __future__ import annotations
 
@@ -326,11 +330,13 @@ def _chunk_figures(rt, src: torch.Tensor, r0: int, r1: int, device: torch.device
     return out
 
 
-def _tensor_report(st: SourceTensor, tname: str, n_bytes: int, figures: list[tuple], rep: RoundTrip) -> None:
+def _tensor_report(st: SourceTensor, tname: str, n_bytes: int, figures: list[tuple], rep: RoundTrip,
+                   unit: str = "values") -> None:
     """Conclude the check of tensor ``st`` (in the file: ggml type ``tname``, ``n_bytes``
     bytes) from its chunks' figures (:func:`_chunk_figures`, all of its rows in order, summed
-    in that order): appends the :class:`TensorReport`, and the mismatches (the dequantizations
-    differ; SNR below :data:`MIN_SNR_DB`) to ``rep``."""
+    in that order; their first fields count differences in ``unit``): appends the
+    :class:`TensorReport`, and the mismatches (the dequantizations differ; SNR below
+    :data:`MIN_SNR_DB`) to ``rep``."""
     neq, se, sig, max_err = 0, 0.0, 0.0, 0.0
     for d, se_c, sig_c, err_c in figures:
         neq += d
@@ -338,7 +344,7 @@ def _tensor_report(st: SourceTensor, tname: str, n_bytes: int, figures: list[tup
         sig += sig_c
         max_err = max(max_err, err_c)
     if neq:
-        rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} values ({tname})")
+        rep.mismatches.append(f"{st.name}: gguf-py and quantpress dequantize differ in {neq} {unit} ({tname})")
     ratio = sig / se if se else math.inf
     snr = 10 * math.log10(ratio) if 0 < ratio < math.inf else (math.inf if se == 0 else -math.inf)
     if snr < MIN_SNR_DB:
@@ -360,6 +366,87 @@ def _check_tensor(rt, st: SourceTensor, planned: str, source: torch.Tensor | Non
     rows = reader_raw(rt).shape[0]
     src = (st.load() if source is None else source).reshape(rows, -1)
     _tensor_report(st, planned, int(rt.n_bytes), _chunk_figures(rt, src, 0, rows, device), rep)
+
+
+def _checksum_period(cols: int) -> int:
+    # the period of row_checksums' position weights (1 .. period): the largest up to 127 (a
+    # prime) with which |Σ bits x weight| < 2^31 x period x cols stays below 2^53, so that
+    # NumPy's float64 product with the weights is exact
+    return max(1, min(127, (1 << 22) // max(1, cols)))
+
+
+def row_checksums(values: torch.Tensor) -> torch.Tensor:
+    """Two checksums of each row of float32 ``values`` [rows, cols] (any device), int64
+    [rows, 2]: the sum of the values' bits as int32, and the sum of those bits times a
+    position's weight, (j mod p) + 1 for position j, with p = 127 (less for rows wider than
+    33,026 values, so that every sum stays below 2^53). Equal rows have equal checksums; one
+    value that differs changes the first; two values of a row exchanged change the second
+    unless their positions differ by a multiple of p. :func:`_row_checksums_np` computes the
+    same on NumPy arrays."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    weights = torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64) % _checksum_period(bits.shape[1]) + 1
+    return torch.stack([bits.sum(1), (bits * weights).sum(1)], dim=1)
+
+
+def _row_checksums_np(values: np.ndarray) -> np.ndarray:
+    # row_checksums of float32 [rows, cols] in NumPy: one float64 product with [1, weight]
+    # columns (BLAS; exact, every partial sum an integer below 2^53): 0.30 ns per value
+    # against 0.72 for int64 sums of the bits and of uint32 products
+    bits = values.view(np.int32)
+    cols = bits.shape[1]
+    weights = np.stack([np.ones(cols), np.arange(cols) % _checksum_period(cols) + 1.0], axis=1)
+    return (bits.astype(np.float64) @ weights).astype(np.int64)
+
+
+@dataclass
+class RowChecksums:
+    """What the writer hands a checker instead of a source when it computed a tensor's error
+    itself (:func:`writer_figures`): :func:`row_checksums` of its dequantized rows, int64
+    ndarray [rows, 2]."""
+
+    sums: np.ndarray
+
+
+def writer_figures(raw: np.ndarray, tname: str, source: torch.Tensor,
+                   device: torch.device) -> tuple[list[tuple], np.ndarray]:
+    """The writer's half of a round trip whose error sums run where it quantizes: the bytes
+    it wrote, ``raw`` (uint8 ndarray [rows, row_bytes] of ggml type ``tname``), dequantized by
+    quantpress on ``device`` and compared with ``source`` (float, the tensor's shape, any
+    device) chunk by chunk (:func:`chunk_rows`): the chunks' figures as :func:`_chunk_figures`
+    gives them with no difference counted (0, Σ(x−x̂)², Σx², max |x−x̂|; float32 sums of whole
+    chunks, in float64), and :func:`row_checksums` of the dequantized rows (int64 ndarray
+    [rows, 2]), which the checker compares with gguf-py's values of the rows in the file
+    (:class:`RowChecksums`). One transfer back per tensor."""
+    rows = raw.shape[0]
+    x = source.reshape(rows, -1)
+    cols = x.shape[1]
+    figures, sums = [], []
+    for c0, c1 in chunk_rows(rows, cols):
+        ours = ggml.dequantize(torch.from_numpy(raw[c0:c1].copy()).to(device), tname).reshape(c1 - c0, cols)
+        sums.append(row_checksums(ours))
+        xc = x[c0:c1].to(device=device, dtype=torch.float32).reshape(-1)
+        e = torch.sub(ours.reshape(-1), xc, out=ours.reshape(-1))
+        lo, hi = torch.aminmax(e)
+        figures.append(torch.stack([torch.dot(e, e).double(), torch.dot(xc, xc).double(), -lo.double(), hi.double()]))
+    f = torch.stack(figures)
+    f = torch.cat([f[:, :2], f[:, 2:].amax(1, keepdim=True)], dim=1).cpu().tolist()
+    return [(0, se, sig, err) for se, sig, err in f], torch.cat(sums).cpu().numpy()
+
+
+def _rows_differing(rt, sums: np.ndarray, r0: int, r1: int) -> int:
+    """Rows among ``[r0, r1)`` of file tensor ``rt`` (its layout as planned) whose gguf-py
+    values' :func:`row_checksums` are not ``sums`` (int64 [r1 - r0, 2], the writer's of our
+    values), gguf-py's values taken in pieces of :data:`CHECK_PIECE_ELEMENTS`."""
+    tname = GGMLQuantizationType(rt.tensor_type).name
+    raw = reader_raw(rt)
+    theirs = gguf_py_decoder(tname)
+    piece = max(1, CHECK_PIECE_ELEMENTS // max(1, int(rt.shape[0])))     # (ne[0]: the row)
+    differ = 0
+    for p0 in range(r0, r1, piece):
+        p1 = min(r1, p0 + piece)
+        ref = theirs(raw[p0:p1]).reshape(p1 - p0, -1)
+        differ += int(np.count_nonzero((_row_checksums_np(ref) != sums[p0 - r0:p1 - r0]).any(axis=1)))
+    return differ
 
 
 def _tensor_index(reader: GGUFReader, tensors: list[SourceTensor], rep: RoundTrip) -> dict:
@@ -443,8 +530,11 @@ class RoundTripWatch:
         for t in self._threads:
             t.start()
 
-    def written(self, index: int, source: torch.Tensor) -> None:
-        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from."""
+    def written(self, index: int, source: torch.Tensor, raw: np.ndarray | None = None,
+                on_device: torch.Tensor | None = None) -> None:
+        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from
+        (``raw`` and ``on_device``, :meth:`RoundTripProcessWatch.written`'s, are not used: the
+        threads check the file against the source)."""
         self._queue.put((index, source))
 
     def _run(self, worker: int) -> None:
@@ -576,6 +666,21 @@ def checkers_for(device: torch.device) -> int:
     return 1 if device.type == "cpu" else min(VERIFY_WORKERS, checker_limit())
 
 
+#: whether the writer computes our half of the round trip (our dequantization, the error against
+#: the source) where it quantizes and hands the checker processes only checksums
+#: (:class:`RoundTripProcessWatch`'s ``figures_on``): None, off the CPU (whose cores are the
+#: checkers'; on the CPU the writer's cores are the codecs'); True / False, on every device /
+#: on none
+FIGURES_ON_WRITER: bool | None = None
+
+
+def figures_on_writer(device: torch.device) -> torch.device | None:
+    """The device on which the writer computes our half of the round trip
+    (:data:`FIGURES_ON_WRITER`): ``device``, or None (the checkers compute it)."""
+    on = device.type != "cpu" if FIGURES_ON_WRITER is None else FIGURES_ON_WRITER
+    return device if on else None
+
+
 def checker_limit() -> int:
     """Most checker processes that files written side by side get together: all cores but
     one (at least one each, :func:`checkers_for`)."""
@@ -641,11 +746,12 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, (r0,
     r1), source)`` (rows ``[r0, r1)`` of tensor ``index``, a part of :func:`check_parts`;
     ``source``: those rows of its source, a CPU float tensor in shared memory, or ``(start,
-    dtype, shape)``: where they lie in ``staging``) and ``("close", key)`` (forget the file,
-    unmapping it). Each check is answered ``("checked", key, index, r0, result, mismatches,
-    found, spans, error, pid)``: ``(ggml type, bytes in the file, the chunks' figures of
-    :func:`_chunk_figures`)`` or None (the tensor's layout is not as planned, or it is not in
-    the file: ``mismatches`` says which), whether the tensor was in the file, the check's (t0,
+    dtype, shape)``: where they lie in ``staging``; or the writer's :class:`RowChecksums` of
+    those rows) and ``("close", key)`` (forget the file, unmapping it). Each check is answered
+    ``("checked", key, index, r0, result, mismatches, found, spans, error, pid)``: ``(ggml
+    type, bytes in the file, the chunks' figures of :func:`_chunk_figures`)``, or for
+    checksums ``(ggml type, bytes, rows whose checksums differ)``, or None (the tensor's
+    layout is not as planned, or it is not in the file: ``mismatches`` says which), whether the tensor was in the file, the check's (t0,
     t1) span in ``time.monotonic`` seconds (the first check of a file also the parse's), the
     exception it raised (or None) and the process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
     however it ends, closes it. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread
@@ -699,6 +805,8 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
                     bad = _layout_mismatch(rt, st, planned)
                     if bad is not None:
                         mismatches.append(bad)
+                    elif isinstance(source, RowChecksums):
+                        result = (planned, int(rt.n_bytes), _rows_differing(rt, source.sums, r0, r1))
                     else:
                         with torch.no_grad():
                             figures = _chunk_figures(rt, source.reshape(r1 - r0, -1), r0, r1, cpu)
@@ -716,7 +824,7 @@ class _Checker:
     proc: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
     staging: _Staging
-    pending: list = field(default_factory=list)    # (watch, staging range or None) of each unanswered check
+    pending: list = field(default_factory=list)    # (watch, staging range, None or False) of each unanswered check
     ready: bool = False                             # its ("ready",) was read: its area may be written
 
 
@@ -771,8 +879,19 @@ class CheckerProcesses:
         """Hand rows ``[r0, r1)`` of ``watch``'s tensor ``index`` and their source to the one
         of its checkers with the fewest checks waiting that can take it: copied into that
         checker's staging area, or if larger than the area, alone in shared memory of its
-        own, at most one such waiting per checker. Waits (taking answers in) while none can."""
+        own, at most one such waiting per checker; :class:`RowChecksums` in the request
+        itself. Waits (taking answers in) while none can."""
         self._take(0)
+        if isinstance(source, RowChecksums):
+            while True:
+                live = sorted((c for c in watch.checkers if c in self._checkers), key=lambda c: len(c.pending))
+                if not live:
+                    raise watch.error or RuntimeError(f"round trip of {watch.path.name}: its checker "
+                                                      f"processes died")
+                if self._ready(live[0]) and self._send(live[0], ("check", watch.key, index, rows, source)):
+                    live[0].pending.append((watch, False))
+                    watch.pending += 1
+                    return
         source = source.detach()
         nbytes = source.numel() * source.element_size()
         while True:
@@ -857,7 +976,7 @@ class CheckerProcesses:
         for watch, entry in c.pending:
             watch.pending -= 1
             watch.error = watch.error or dead
-            if entry is not None:
+            if entry:
                 c.staging.give_back(entry)
         c.pending = []
         if c in self._checkers:
@@ -879,7 +998,7 @@ class CheckerProcesses:
                 while c.pending and c.conn.poll():
                     _, key, index, r0, result, mismatches, found, spans, error, pid = c.conn.recv()
                     watch, entry = c.pending.pop(0)
-                    if entry is not None:
+                    if entry:                   # (None: shared memory of its own; False: nothing held)
                         c.staging.give_back(entry)
                     watch.answered(index, r0, result, mismatches, found, spans, error, pid)
             except (EOFError, OSError):
@@ -942,12 +1061,20 @@ class RoundTripProcessWatch:
     made from its parts' figures in row order, so it is the one a single check makes. Our
     dequantization runs on the checker's CPU, whatever the writer's device (the codecs' bytes
     and values are the same on every device: ``scripts/gpu_checks.py``).
+
+    With ``figures_on`` (a device: :func:`figures_on_writer`) the writer computes our half
+    itself, there (:func:`writer_figures`: our dequantization of the bytes it wrote, the error
+    against the source, :func:`row_checksums` of our values), and hands the checkers only the
+    checksums (:class:`RowChecksums`): each re-reads its rows from the file, dequantizes them
+    with gguf-py and compares their checksums; a row that differs fails the round trip as
+    values that differ do. The checkers then do gguf-py's half alone and no source is copied.
     ``seconds``: the wall time during which any checker was checking this file."""
 
     def __init__(self, path: Path, tensors: list[SourceTensor], types: dict[str, str],
-                 size: int, pool: CheckerProcesses, workers: int = 1):
+                 size: int, pool: CheckerProcesses, workers: int = 1,
+                 figures_on: torch.device | None = None):
         self.path, self.tensors, self.types, self.size = Path(path), tensors, types, size
-        self.pool, self.workers = pool, max(1, workers)
+        self.pool, self.workers, self.figures_on = pool, max(1, workers), figures_on
         self.rep = RoundTrip()
         self.key, self.pending, self.checkers = 0, 0, []
         self.error: BaseException | None = None
@@ -955,21 +1082,31 @@ class RoundTripProcessWatch:
         self._spans: list[tuple[float, float]] = []
         self._pids: set[int] = set()
         self._parts: dict[int, list] = {}      # index -> [parts, parts unanswered, {r0: result}, all found]
+        self._figures: dict[int, list] = {}    # index -> the writer's figures (figures_on)
 
     def start(self) -> None:
         """Announce the file to the checkers (each parses it at once)."""
         self.checkers = self.pool.open(self, self.workers)
 
-    def written(self, index: int, source: torch.Tensor) -> None:
-        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from.
-        Raises the error of an earlier check (a checker died or raised)."""
+    def written(self, index: int, source: torch.Tensor, raw: np.ndarray | None = None,
+                on_device: torch.Tensor | None = None) -> None:
+        """Tensor ``tensors[index]`` is on disk; ``source`` is what it was quantized from (CPU),
+        ``raw`` the bytes written (uint8 [rows, row_bytes]; used with ``figures_on``, there
+        from ``on_device``, the source's copy on that device, when given). Raises the error of
+        an earlier check (a checker died or raised)."""
         if self.error is not None:
             raise self.error
         st = self.tensors[index]
         rows, cols = st.numel // st.shape[-1], st.shape[-1]
-        source = source.detach().reshape(rows, cols)
         parts = list(check_parts(rows, cols))
         self._parts[index] = [len(parts), len(parts), {}, True]
+        if self.figures_on is not None:
+            self._figures[index], sums = writer_figures(raw, self.types[st.name],
+                                                        source if on_device is None else on_device, self.figures_on)
+            for r0, r1 in parts:
+                self.pool.submit(self, index, (r0, r1), RowChecksums(sums[r0:r1]))
+            return
+        source = source.detach().reshape(rows, cols)
         for r0, r1 in parts:
             self.pool.submit(self, index, (r0, r1), source[r0:r1])
 
@@ -989,9 +1126,14 @@ class RoundTripProcessWatch:
             st, results = self.tensors[index], [part[2][r] for r in sorted(part[2])]
             if part[3]:
                 self._checked.add(st.name)
+            figures = self._figures.pop(index, None)
             if len(results) == part[0]:         # (else a mismatch or an error says why)
                 tname, n_bytes, _ = results[0]
-                _tensor_report(st, tname, n_bytes, [f for *_, figures in results for f in figures], self.rep)
+                if figures is None:
+                    _tensor_report(st, tname, n_bytes, [f for *_, fs in results for f in fs], self.rep)
+                else:                           # the rows whose checksums differ, then the writer's sums
+                    rows = sum(r[2] for r in results)
+                    _tensor_report(st, tname, n_bytes, [(rows, 0.0, 0.0, 0.0)] + figures, self.rep, unit="rows")
         if error is not None and self.error is None:
             self.error = error
         self._spans.extend(spans)
@@ -1031,7 +1173,8 @@ def watch_round_trip(path: Path, tensors: list[SourceTensor], types: dict[str, s
     n = checkers_for(device)
     if checker_processes_usable():
         try:
-            return RoundTripProcessWatch(path, tensors, types, size, checker_processes(n), n)
+            return RoundTripProcessWatch(path, tensors, types, size, checker_processes(n), n,
+                                         figures_on_writer(device))
         except OSError:
             pass
     return RoundTripWatch(path, tensors, types, device, size, n)

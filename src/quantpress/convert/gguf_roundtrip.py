@@ -384,7 +384,8 @@ def row_checksums(values: torch.Tensor) -> torch.Tensor:
     unless their positions differ by a multiple of p. :func:`_row_checksums_np` computes the
     same on NumPy arrays."""
     bits = values.contiguous().view(torch.int32).to(torch.int64)
-    weights = torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64) % _checksum_period(bits.shape[1]) + 1
+    cols = bits.shape[1]
+    weights = torch.arange(cols, device=bits.device, dtype=torch.int64) % _checksum_period(cols) + 1
     return torch.stack([bits.sum(1), (bits * weights).sum(1)], dim=1)
 
 
@@ -427,7 +428,8 @@ def writer_figures(raw: np.ndarray, tname: str, source: torch.Tensor,
         xc = x[c0:c1].to(device=device, dtype=torch.float32).reshape(-1)
         e = torch.sub(ours.reshape(-1), xc, out=ours.reshape(-1))
         lo, hi = torch.aminmax(e)
-        figures.append(torch.stack([torch.dot(e, e).double(), torch.dot(xc, xc).double(), -lo.double(), hi.double()]))
+        figures.append(torch.stack([torch.dot(e, e).double(), torch.dot(xc, xc).double(),
+                                    -lo.double(), hi.double()]))
     f = torch.stack(figures)
     f = torch.cat([f[:, :2], f[:, 2:].amax(1, keepdim=True)], dim=1).cpu().tolist()
     return [(0, se, sig, err) for se, sig, err in f], torch.cat(sums).cpu().numpy()
@@ -751,9 +753,10 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
     ``("checked", key, index, r0, result, mismatches, found, spans, error, pid)``: ``(ggml
     type, bytes in the file, the chunks' figures of :func:`_chunk_figures`)``, or for
     checksums ``(ggml type, bytes, rows whose checksums differ)``, or None (the tensor's
-    layout is not as planned, or it is not in the file: ``mismatches`` says which), whether the tensor was in the file, the check's (t0,
-    t1) span in ``time.monotonic`` seconds (the first check of a file also the parse's), the
-    exception it raised (or None) and the process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
+    layout is not as planned, or it is not in the file: ``mismatches`` says which), whether
+    the tensor was in the file, the check's (t0, t1) span in ``time.monotonic`` seconds (the
+    first check of a file also the parse's), the exception it raised (or None) and the
+    process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
     however it ends, closes it. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread
     ends, and the checkers outlive the thread that started them.)"""
     for end in inherited:
@@ -820,11 +823,21 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
 
 
 @dataclass
+class _Parts:
+    # a tensor's checks handed over and not yet all answered (RoundTripProcessWatch)
+    count: int                              # parts handed over
+    left: int                               # parts not answered
+    results: dict = field(default_factory=dict)     # r0 -> the checker's result
+    found: bool = True                      # every part found the tensor in the file
+    figures: list | None = None             # the writer's figures (writer_figures), if it made them
+
+
+@dataclass
 class _Checker:
     proc: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
     staging: _Staging
-    pending: list = field(default_factory=list)    # (watch, staging range, None or False) of each unanswered check
+    pending: list = field(default_factory=list)    # (watch, staging range / None / False) per check waiting
     ready: bool = False                             # its ("ready",) was read: its area may be written
 
 
@@ -1081,8 +1094,7 @@ class RoundTripProcessWatch:
         self._checked: set[str] = set()
         self._spans: list[tuple[float, float]] = []
         self._pids: set[int] = set()
-        self._parts: dict[int, list] = {}      # index -> [parts, parts unanswered, {r0: result}, all found]
-        self._figures: dict[int, list] = {}    # index -> the writer's figures (figures_on)
+        self._parts: dict[int, _Parts] = {}
 
     def start(self) -> None:
         """Announce the file to the checkers (each parses it at once)."""
@@ -1099,10 +1111,10 @@ class RoundTripProcessWatch:
         st = self.tensors[index]
         rows, cols = st.numel // st.shape[-1], st.shape[-1]
         parts = list(check_parts(rows, cols))
-        self._parts[index] = [len(parts), len(parts), {}, True]
+        self._parts[index] = _Parts(len(parts), len(parts))
         if self.figures_on is not None:
-            self._figures[index], sums = writer_figures(raw, self.types[st.name],
-                                                        source if on_device is None else on_device, self.figures_on)
+            self._parts[index].figures, sums = writer_figures(
+                raw, self.types[st.name], source if on_device is None else on_device, self.figures_on)
             for r0, r1 in parts:
                 self.pool.submit(self, index, (r0, r1), RowChecksums(sums[r0:r1]))
             return
@@ -1117,23 +1129,23 @@ class RoundTripProcessWatch:
         self.pending -= 1
         self.rep.mismatches.extend(m for m in mismatches if m not in self.rep.mismatches)
         part = self._parts[index]
-        part[1] -= 1
-        part[3] = part[3] and found
+        part.left -= 1
+        part.found = part.found and found
         if result is not None:
-            part[2][r0] = result
-        if part[1] == 0:
+            part.results[r0] = result
+        if part.left == 0:
             del self._parts[index]
-            st, results = self.tensors[index], [part[2][r] for r in sorted(part[2])]
-            if part[3]:
+            st, results = self.tensors[index], [part.results[r] for r in sorted(part.results)]
+            if part.found:
                 self._checked.add(st.name)
-            figures = self._figures.pop(index, None)
-            if len(results) == part[0]:         # (else a mismatch or an error says why)
+            if len(results) == part.count:      # (else a mismatch or an error says why)
                 tname, n_bytes, _ = results[0]
-                if figures is None:
+                if part.figures is None:
                     _tensor_report(st, tname, n_bytes, [f for *_, fs in results for f in fs], self.rep)
                 else:                           # the rows whose checksums differ, then the writer's sums
                     rows = sum(r[2] for r in results)
-                    _tensor_report(st, tname, n_bytes, [(rows, 0.0, 0.0, 0.0)] + figures, self.rep, unit="rows")
+                    _tensor_report(st, tname, n_bytes, [(rows, 0.0, 0.0, 0.0)] + part.figures, self.rep,
+                                   unit="rows")
         if error is not None and self.error is None:
             self.error = error
         self._spans.extend(spans)

@@ -937,7 +937,7 @@ def check_costs() -> None:
     Gaussian float16 weights; pieces of ``CHECK_PIECE_ELEMENTS``, three passes): gguf-py's
     dequantization, ours, the bit comparison, the source widened to float32, the error, its
     two dot products and its extremes (the checker's work when it computes both halves), and
-    the checksums of each row of gguf-py's values (``gguf_roundtrip._row_checksums_np``: the
+    the checksums of each row of gguf-py's values (``gguf_roundtrip.row_checksums_np``: the
     checker's work besides gguf-py's when the writer computes our half,
     ``gguf_roundtrip.writer_figures``). Nanoseconds per value, for Q4_K, Q6_K, Q5_0, Q8_0."""
     from quantpress.convert import gguf_roundtrip as rt
@@ -972,7 +972,7 @@ def check_costs() -> None:
                 spent["dots"] += (t6 := time.perf_counter()) - t5
                 torch.aminmax(e)
                 spent["extremes"] += (t7 := time.perf_counter()) - t6
-                rt._row_checksums_np(ref.reshape(p1 - p0, cols))
+                rt.row_checksums_np(ref.reshape(p1 - p0, cols))
                 spent["checksums"] += time.perf_counter() - t7
         ns = {k: v / (3 * rows * cols) * 1e9 for k, v in spent.items()}
         both = sum(v for k, v in ns.items() if k != "checksums")

@@ -410,7 +410,8 @@ def test_writer_figures_report_what_the_checkers_report(prepared, tmp_path, monk
             assert a.rmse == pytest.approx(b.rmse, rel=1e-5) and a.snr_db == pytest.approx(b.snr_db, rel=1e-6)
 
 
-def test_writer_figures_catch_a_file_that_is_not_what_was_written(prepared, tmp_path, monkeypatch, figures_on_writer):
+def test_writer_figures_catch_a_file_that_is_not_what_was_written(prepared, tmp_path, monkeypatch,
+                                                                  figures_on_writer):
     """The writer computing the error sums: the bytes of every Q4_K tensor changed on their
     way to the file (one byte in every 40th block), after the writer's figures were taken from
     the bytes it meant to write: the checkers' checksums of gguf-py's values find exactly
@@ -451,7 +452,7 @@ def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
     x[5] = -0.0
     ours = gguf_roundtrip.row_checksums(x)
     assert ours.dtype == torch.int64 and ours.shape == (64, 2)
-    assert np.array_equal(ours.numpy(), gguf_roundtrip._row_checksums_np(x.numpy()))
+    assert np.array_equal(ours.numpy(), gguf_roundtrip.row_checksums_np(x.numpy()))
     y = x.clone()
     y[7, 100] = torch.nextafter(y[7, 100], torch.tensor(math.inf))
     y[9, [3, 1000]] = y[9, [1000, 3]]
@@ -461,9 +462,10 @@ def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
     # rows of 300,000 values (a weight period of 13), every bit pattern near ±2^31:
     # NumPy's float64 sums stay exact
     u = torch.rand(3, 300_000, generator=g) * 0.5 + 0.5
-    wide = torch.stack([u[0] * 3.4e38, -u[1] * 1e-38, u[2] * 3e38])    # bits 2^31 - 2^23 .. 2^31, and -2^31 + ...
+    wide = torch.stack([u[0] * 3.4e38, -u[1] * 1e-38, u[2] * 3e38])    # bits near 2^31, and near -2^31
     wide[2, ::3] = -0.0
-    assert np.array_equal(gguf_roundtrip.row_checksums(wide).numpy(), gguf_roundtrip._row_checksums_np(wide.numpy()))
+    assert np.array_equal(gguf_roundtrip.row_checksums(wide).numpy(),
+                          gguf_roundtrip.row_checksums_np(wide.numpy()))
 
 
 def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):

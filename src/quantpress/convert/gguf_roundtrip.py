@@ -381,7 +381,7 @@ def row_checksums(values: torch.Tensor) -> torch.Tensor:
     position's weight, (j mod p) + 1 for position j, with p = 127 (less for rows wider than
     33,026 values, so that every sum stays below 2^53). Equal rows have equal checksums; one
     value that differs changes the first; two values of a row exchanged change the second
-    unless their positions differ by a multiple of p. :func:`_row_checksums_np` computes the
+    unless their positions differ by a multiple of p. :func:`row_checksums_np` computes the
     same on NumPy arrays."""
     bits = values.contiguous().view(torch.int32).to(torch.int64)
     cols = bits.shape[1]
@@ -389,10 +389,11 @@ def row_checksums(values: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(1), (bits * weights).sum(1)], dim=1)
 
 
-def _row_checksums_np(values: np.ndarray) -> np.ndarray:
-    # row_checksums of float32 [rows, cols] in NumPy: one float64 product with [1, weight]
-    # columns (BLAS; exact, every partial sum an integer below 2^53): 0.30 ns per value
-    # against 0.72 for int64 sums of the bits and of uint32 products
+def row_checksums_np(values: np.ndarray) -> np.ndarray:
+    """:func:`row_checksums` of float32 ndarray ``values`` [rows, cols], int64 ndarray [rows,
+    2] (the checkers' side): one float64 product with the [1, weight] columns (BLAS; exact,
+    every partial sum an integer below 2^53), 0.30 ns per value here against 0.72 for int64
+    sums of the bits and of uint32 products."""
     bits = values.view(np.int32)
     cols = bits.shape[1]
     weights = np.stack([np.ones(cols), np.arange(cols) % _checksum_period(cols) + 1.0], axis=1)
@@ -447,7 +448,7 @@ def _rows_differing(rt, sums: np.ndarray, r0: int, r1: int) -> int:
     for p0 in range(r0, r1, piece):
         p1 = min(r1, p0 + piece)
         ref = theirs(raw[p0:p1]).reshape(p1 - p0, -1)
-        differ += int(np.count_nonzero((_row_checksums_np(ref) != sums[p0 - r0:p1 - r0]).any(axis=1)))
+        differ += int(np.count_nonzero((row_checksums_np(ref) != sums[p0 - r0:p1 - r0]).any(axis=1)))
     return differ
 
 

@@ -441,6 +441,17 @@ def test_writer_figures_catch_a_file_that_is_not_what_was_written(prepared, tmp_
                    for name, n in expected.items()}, t.roundtrip.mismatches
 
 
+def test_figures_on_the_writer_only_off_the_cpu(monkeypatch):
+    """By default the writer computes our half of the round trip off the CPU only (the CPU's
+    cores are the codecs'); FIGURES_ON_WRITER True / False forces it on every device / none."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert gguf_roundtrip.figures_on_writer(cpu) is None and gguf_roundtrip.figures_on_writer(cuda) == cuda
+    monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", True)
+    assert gguf_roundtrip.figures_on_writer(cpu) == cpu
+    monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", False)
+    assert gguf_roundtrip.figures_on_writer(cuda) is None
+
+
 def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
     """row_checksums (the writer's, torch) and the checker's NumPy version give the same int64
     pairs on every kind of float32 (signed zeros, infinities, NaN, subnormals, extremes); one

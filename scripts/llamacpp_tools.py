@@ -6,18 +6,28 @@ once and cached under quantpress's cache root.
   sdist (for the reference ``convert_hf_to_gguf.py``; never committed).
 - ``tools()``: ``llama-quantize``, ``llama-perplexity`` and ``llama-imatrix`` compiled from the
   pinned source (``llamacpp_src()``, llama.cpp 0c1e57098 as vendored in llama-cpp-python
-  0.3.36), static, Release, without CURL, tests, examples or the server. About 4 minutes on 2 cores the first time, then taken from
-  ``<cache>/ref/llama_cpp_tools-0.3.36/bin``. llama-cpp-python ships only the shared
-  libraries; the imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
+  0.3.36), Release, without CURL, tests, examples or the server, with llama.cpp's shared
+  libraries (``libllama``, ``libggml*``) beside them in ``<cache>/ref/llama_cpp-0.3.36/bin``.
+  About 4 minutes on 2 cores the first time (``scripts/setup.sh --test`` builds it), then
+  cached. The imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
   written by ``llama-imatrix``, which the Python bindings do not expose.
+- ``install_libs()``: those shared libraries copied into the installed ``llama_cpp`` package's
+  ``lib/``, where llama-cpp-python's own build would put them (llama-cpp-python's
+  CMakeLists.txt ``llama_cpp_python_install_target``): setup.sh installs the bindings with
+  ``CMAKE_ARGS=-DLLAMA_BUILD=OFF`` (Python only, 5 s), so that llama.cpp is compiled once for
+  both the bindings and the tools rather than twice (the bindings' own build took 222 s on
+  2 cores, most of it the same ggml and libllama the tools need).
 - ``smollm2_gguf("f16"|"q8_0")``: SmolLM2-135M-Instruct converted by llama.cpp's own
   ``convert_hf_to_gguf.py --outtype f16`` (and ``llama_model_quantize`` to Q8_0), cached
   under ``<cache>/ref/smollm2-gguf/``: reference inputs for tests and benchmarks.
 
-Usage: ``python scripts/llamacpp_tools.py`` builds and prints the bin directory.
+Usage: ``python scripts/llamacpp_tools.py [--install-libs]`` builds (once) and prints the bin
+directory; ``--install-libs`` also copies the libraries into the ``llama_cpp`` package.
 """
 from __future__ import annotations
 
+import filecmp
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -31,9 +41,15 @@ from quantpress import assets
 LLAMA_CPP_PYTHON = "0.3.36"
 
 TARGETS = ("llama-quantize", "llama-perplexity", "llama-imatrix")
+#: what the bindings load (llama_cpp/llama_cpp.py: libllama; tests/ggml_ref.py: libggml-base),
+#: the unversioned names (symlinks to the versioned files, copied along)
+LIBS = ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so")
+#: as llama-cpp-python 0.3.36's build configures llama.cpp (shared, Release, no CURL; GGML_NATIVE
+#: left at its default), plus the tools; every binary finds the libraries beside it ($ORIGIN)
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-               "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF"]
+               "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+               "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
 
 
 def llamacpp_src() -> Path:
@@ -52,17 +68,48 @@ def llamacpp_src() -> Path:
 
 def build_dir() -> Path:
     """Where the tools are built (in the cache)."""
-    return assets.cache_root() / "ref" / f"llama_cpp_tools-{LLAMA_CPP_PYTHON}"
+    return assets.cache_root() / "ref" / f"llama_cpp-{LLAMA_CPP_PYTHON}"
 
 
 def tools() -> Path:
     """Directory holding the built ``llama-quantize``, ``llama-perplexity`` and
-    ``llama-imatrix`` (built on first use; raises CalledProcessError with the build log's tail
-    if cmake fails)."""
+    ``llama-imatrix`` and the shared libraries :data:`LIBS` (built on first use; raises
+    CalledProcessError if cmake fails, its output in ``build.log`` there)."""
     b = build_dir()
     bindir = b / "bin"
-    assets.fill_once("llama_cpp_tools", lambda: all((bindir / t).is_file() for t in TARGETS), lambda: _build(b))
+    assets.fill_once("llama_cpp_tools", lambda: all((bindir / t).is_file() for t in TARGETS + LIBS),
+                     lambda: _build(b))
     return bindir
+
+
+def bindings_lib_dir() -> Path:
+    """``lib/`` of the installed ``llama_cpp`` package, found without importing it (its import
+    loads libllama, which may not be there yet)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama_cpp is not installed (bash scripts/setup.sh --test installs it)")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def install_libs() -> Path:
+    """Copy the built shared libraries :data:`LIBS` (with their versioned names, links kept as
+    links) from :func:`tools`' directory into :func:`bindings_lib_dir`, replacing what
+    differs; returns that directory."""
+    src = tools()
+    dest = bindings_lib_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(f for f in src.glob("lib*.so*") if f.name.split(".so")[0] + ".so" in LIBS):
+        d = dest / f.name
+        if f.is_symlink():
+            if d.is_symlink() and os.readlink(d) == os.readlink(f):
+                continue
+        elif d.is_file() and not d.is_symlink() and filecmp.cmp(f, d, shallow=False):
+            continue
+        tmp = dest / f".{f.name}.tmp"
+        tmp.unlink(missing_ok=True)
+        shutil.copy2(f, tmp, follow_symlinks=False)
+        tmp.replace(d)
+    return dest
 
 
 def _build(b: Path) -> None:
@@ -74,7 +121,7 @@ def _build(b: Path) -> None:
     with open(b / "build.log", "w") as log:
         subprocess.run(["cmake", "-S", str(src), "-B", str(b), *gen, *flags], check=True,
                        stdout=log, stderr=subprocess.STDOUT)
-        subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+        subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", *TARGETS, "llama"],
                        check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -141,4 +188,8 @@ def _quantize_q8_0(f16: Path, q8: Path) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] not in ([], ["--install-libs"]):
+        sys.exit("usage: llamacpp_tools.py [--install-libs]")
+    if sys.argv[1:]:
+        install_libs()
     print(tools())

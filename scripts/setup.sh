@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv: quantpress and its runtime dependencies (the README's first command), and with
 # --test also the test stack (the README's second command). Idempotent: a second run with the
-# same pyproject.toml, constraints and this script does nothing (stamp files); pip's wheel
-# cache keeps llama-cpp-python's ~4 min source build for later runs.
+# same pyproject.toml, constraints and this script does nothing (stamp files); llama.cpp's
+# build (--test, ~4 min) is kept in quantpress's cache (~/.cache/quantpress) for later runs.
 #   bash scripts/setup.sh           # runtime: torch (CPU), transformers, ..., quantpress (editable)
 #   bash scripts/setup.sh --test    # + pytest, llama-cpp-python (llama.cpp, the reference), gptqmodel,
 #                                   #   Triton's interpreter
@@ -24,12 +24,16 @@ if [ "$(cat .venv/.quantpress-runtime 2>/dev/null)" != "$key" ]; then
 fi
 
 if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$key" ]; then
-  # llama.cpp reference (llama-cpp-python builds from source once, then comes from the wheel
-  # cache), pytest, and gptqmodel's dependencies: the [test] extra. Its multimodal library
-  # (mtmd, which llama_cpp imports only for its image chat handler) is not built: 222 s
-  # against 275 s on 2 idle cores, timing `CMAKE_ARGS=-DLLAVA_BUILD=OFF .venv/bin/python -m pip
-  # wheel --no-cache-dir --no-deps -w /tmp/w llama-cpp-python==0.3.36` with and without CMAKE_ARGS
-  CMAKE_ARGS="-DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
+  # llama.cpp reference, pytest, and gptqmodel's dependencies: the [test] extra. llama-cpp-python
+  # comes without its own build of llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF: Python only, 5 s,
+  # against 222 s on 2 cores for `pip wheel --no-cache-dir --no-deps llama-cpp-python==0.3.36`
+  # with -DLLAVA_BUILD=OFF); llama.cpp is compiled once below, from the same vendored source,
+  # for both the tools and the bindings' libraries
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
+  # llama.cpp's shared libraries and tools (llama-quantize, llama-imatrix, llama-perplexity),
+  # built once into the cache (213 s on 2 idle cores), the libraries copied into the
+  # llama_cpp package where its own build would have put them
+  .venv/bin/python scripts/llamacpp_tools.py --install-libs > /dev/null
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it
   # comes without its dependencies (the extra above installs them, pinned)
   pip install -q --no-deps gptqmodel==7.7.0

@@ -1,5 +1,6 @@
-"""ctypes harness over llama.cpp's own ggml (``libggml-base.so`` shipped in the installed
-``llama_cpp`` package, llama-cpp-python 0.3.36 = llama.cpp 0c1e57098): reference bytes for
+"""ctypes harness over llama.cpp's own ggml (``libggml-base.so`` in the installed ``llama_cpp``
+package, llama-cpp-python 0.3.36 = llama.cpp 0c1e57098, built from its vendored source by
+``scripts/llamacpp_tools.py`` as the package's own build configures it): reference bytes for
 the codec tests.
 
 * :func:`ref_quantize` calls ``ggml_quantize_chunk(type, src, dst, 0, nrows, n_per_row,

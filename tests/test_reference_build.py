@@ -1,0 +1,30 @@
+"""llama.cpp, the reference, is one build: the shared libraries the bindings load (``llama_cpp``'s
+``lib/``: ``llama_model_quantize`` in tests/refs.py, ``ggml_quantize_chunk`` in tests/ggml_ref.py)
+are byte for byte those built beside ``llama-quantize``, ``llama-imatrix`` and
+``llama-perplexity`` from llama-cpp-python 0.3.36's vendored source (scripts/llamacpp_tools.py;
+``scripts/setup.sh --test`` installs the bindings without a build of their own and copies the
+libraries in), so the tests that call the bindings and those that run the tools compare against
+the same compiled code."""
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import ggml_ref
+import llamacpp_tools
+
+
+def test_bindings_load_the_tools_build():
+    bindir = llamacpp_tools.tools()
+    lib = Path(ggml_ref.lib_dir())
+    for name in llamacpp_tools.LIBS:
+        built, installed = (bindir / name).resolve(), (lib / name).resolve()
+        assert built.name == installed.name, name           # the same version behind the link
+        assert filecmp.cmp(built, installed, shallow=False), name
+
+    import llama_cpp   # loads libllama, as every test that calls the bindings does
+
+    assert llama_cpp.llama_max_devices() >= 1
+    maps = Path("/proc/self/maps").read_text().split()
+    loaded = {Path(f).resolve() for f in maps if "/libllama.so" in f}
+    assert loaded == {(lib / "libllama.so").resolve()}, loaded

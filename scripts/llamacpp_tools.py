@@ -26,7 +26,6 @@ directory; ``--install-libs`` also copies the libraries into the ``llama_cpp`` p
 """
 from __future__ import annotations
 
-import filecmp
 import importlib.util
 import os
 import shutil
@@ -84,31 +83,25 @@ def tools() -> Path:
 
 def bindings_lib_dir() -> Path:
     """``lib/`` of the installed ``llama_cpp`` package, found without importing it (its import
-    loads libllama, which may not be there yet)."""
+    loads libllama, which may not be there yet); ModuleNotFoundError if it is not installed."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llama_cpp is not installed (bash scripts/setup.sh --test installs it)")
+        raise ModuleNotFoundError("llama_cpp is not installed (bash scripts/setup.sh --test installs it)")
     return Path(next(iter(spec.submodule_search_locations))) / "lib"
 
 
 def install_libs() -> Path:
     """Copy the built shared libraries :data:`LIBS` (with their versioned names, links kept as
-    links) from :func:`tools`' directory into :func:`bindings_lib_dir`, replacing what
-    differs; returns that directory."""
+    links) from :func:`tools`' directory into :func:`bindings_lib_dir`, each written beside
+    its place and renamed over it; returns that directory."""
     src = tools()
     dest = bindings_lib_dir()
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(f for f in src.glob("lib*.so*") if f.name.split(".so")[0] + ".so" in LIBS):
-        d = dest / f.name
-        if f.is_symlink():
-            if d.is_symlink() and os.readlink(d) == os.readlink(f):
-                continue
-        elif d.is_file() and not d.is_symlink() and filecmp.cmp(f, d, shallow=False):
-            continue
         tmp = dest / f".{f.name}.tmp"
         tmp.unlink(missing_ok=True)
         shutil.copy2(f, tmp, follow_symlinks=False)
-        tmp.replace(d)
+        tmp.replace(dest / f.name)
     return dest
 
 

@@ -31,7 +31,8 @@ if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$ke
   # for both the tools and the bindings' libraries
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
   # llama.cpp's shared libraries and tools (llama-quantize, llama-imatrix, llama-perplexity),
-  # built once into the cache (213 s on 2 idle cores), the libraries copied into the
+  # built once into the cache (213 s on 2 idle cores: the cmake configure and build of
+  # llamacpp_tools._build, timed on their own; its log is build.log there), the libraries copied into the
   # llama_cpp package where its own build would have put them
   .venv/bin/python scripts/llamacpp_tools.py --install-libs > /dev/null
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it

@@ -20,6 +20,8 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+import llamacpp_tools
+
 
 class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
@@ -36,10 +38,9 @@ class _TypeTraits(ctypes.Structure):
 
 
 def lib_dir() -> str:
-    """Directory of the shared libraries inside the installed ``llama_cpp`` package."""
-    import llama_cpp
-
-    return os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    """Directory of the shared libraries inside the installed ``llama_cpp`` package
+    (:func:`llamacpp_tools.bindings_lib_dir`)."""
+    return str(llamacpp_tools.bindings_lib_dir())
 
 
 @lru_cache(maxsize=1)

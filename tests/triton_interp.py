@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))   # (ggml_ref's llamacpp_tools)
 import ggml_ref  # noqa: E402
 import quantpress.quantize.ggml as qg  # noqa: E402
 from quantpress.quantize.ggml import common, kquants, triton_searches as ts  # noqa: E402

@@ -14,27 +14,41 @@ want_test=0
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 key=$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1)
+want_build=0
+[ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$key" ] && want_build=1
+build=
+
+# llama.cpp's shared libraries and tools (llama-quantize, llama-imatrix, llama-perplexity) for
+# the test stack, built once into the cache (213 s on 2 idle cores: the cmake configure and
+# build of llamacpp_tools._build, timed on their own; its log is build.log there). Started as
+# soon as its script can run (quantpress from src/, filelock from torch's dependencies), in the
+# background and in a process group of its own (killed with the script if a step fails), so
+# that its source download and compilation run beside pip's installs, which keep about one
+# core busy (on 2 cores with empty caches the set-up took 5.8 minutes with the build after them)
+start_build() {
+  [ "$want_build" = 1 ] && [ -z "$build" ] || return 0
+  PYTHONPATH=src setsid .venv/bin/python scripts/llamacpp_tools.py > /dev/null &
+  build=$!
+  trap 'kill -- -"$build" 2>/dev/null || true' EXIT
+}
 
 if [ "$(cat .venv/.quantpress-runtime 2>/dev/null)" != "$key" ]; then
   pip install -q --upgrade pip
   # the CPU wheel first: a plain "torch" would pull several GB of CUDA packages
   pip install -q -c scripts/constraints.txt torch==2.13.0
+  start_build
   pip install -q -c scripts/constraints.txt -e .
   echo "$key" > .venv/.quantpress-runtime
 fi
 
-if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$key" ]; then
+if [ "$want_build" = 1 ]; then
+  start_build
   # llama.cpp reference, pytest, and gptqmodel's dependencies: the [test] extra. llama-cpp-python
   # comes without its own build of llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF: Python only, 5 s,
   # against 222 s on 2 cores for `pip wheel --no-cache-dir --no-deps llama-cpp-python==0.3.36`
-  # with -DLLAVA_BUILD=OFF); llama.cpp is compiled once below, from the same vendored source,
-  # for both the tools and the bindings' libraries
+  # with -DLLAVA_BUILD=OFF); llama.cpp is compiled once (start_build), from the same vendored
+  # source, for both the tools and the bindings' libraries
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
-  # llama.cpp's shared libraries and tools (llama-quantize, llama-imatrix, llama-perplexity),
-  # built once into the cache (213 s on 2 idle cores: the cmake configure and build of
-  # llamacpp_tools._build, timed on their own; its log is build.log there), the libraries copied into the
-  # llama_cpp package where its own build would have put them
-  .venv/bin/python scripts/llamacpp_tools.py --install-libs > /dev/null
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it
   # comes without its dependencies (the extra above installs them, pinned)
   pip install -q --no-deps gptqmodel==7.7.0
@@ -42,6 +56,10 @@ if [ "$want_test" = 1 ] && [ "$(cat .venv/.quantpress-test 2>/dev/null)" != "$ke
   # kernels on the CPU): beside the environment, not in it, where nothing else imports it;
   # the version of the CUDA machines' torch 2.11 images
   pip install -q --no-deps --upgrade --target .venv/triton-interp triton==3.6.0
+  wait "$build"
+  trap - EXIT
+  # the built libraries copied into the llama_cpp package, where its own build would have put them
+  .venv/bin/python scripts/llamacpp_tools.py --install-libs > /dev/null
   echo "$key" > .venv/.quantpress-test
 fi
 

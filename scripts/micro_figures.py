@@ -96,6 +96,12 @@ With ``--check-costs`` only what one round-trip check costs per value, by part, 
 both halves in the checker (gguf-py's and our dequantization, the bit comparison, the error
 sums) against gguf-py's half with the checksums of each row (the writer computing our half).
 
+With ``--compiled`` only the K-quant search's compiled steps
+(``quantize.ggml.compiled_searches``): a fresh process's time to compile them with an empty
+kernel cache and to load them from the cache, then Q2_K, Q4_K and Q5_K of 2M weights with and
+without an importance vector (Q4_1 and Q5_1 with one), eager against compiled steps (one
+thread, best of three, the same bytes): nanoseconds per weight.
+
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
@@ -595,6 +601,43 @@ def weighted_codecs() -> None:
           f"torch.isfinite(v).all() {best_ms(lambda: bool(torch.isfinite(v).all()), n=20):6.3f} ms")
 
 
+def compiled_steps() -> None:
+    """``compiled_searches``: compile time with an empty Inductor cache and load time from it
+    (fresh processes), then ns per weight of the search types, eager against compiled."""
+    code = ("import time, torch; t = time.perf_counter(); "
+            "from quantpress.quantize.ggml import compiled_searches as cs; cs.enable(); "
+            "ok = cs.warm_up(); print(ok, time.perf_counter() - t)")
+    with tempfile.TemporaryDirectory() as d:
+        for what in ("compile (empty cache)", "load (cache filled)"):
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=d, OMP_NUM_THREADS="1"))
+            ok, sec = r.stdout.split()
+            print(f"compiled steps, {what}: {float(sec):5.1f} s in a fresh process (usable: {ok})")
+    from quantpress.quantize import ggml
+    from quantpress.quantize.ggml import compiled_searches as cs
+    from quantpress.runtime import bound_heap
+
+    bound_heap()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 2048, generator=g) * 0.02
+    qw = torch.rand(2048, generator=g) + 0.1
+    try:
+        for name, weights in [("Q2_K", (None, qw)), ("Q4_K", (None, qw)), ("Q5_K", (None, qw)),
+                              ("Q4_1", (qw,)), ("Q5_1", (qw,))]:
+            for w in weights:
+                out, ns = [], []
+                for on in (False, True):
+                    cs.enable(on)
+                    out.append(ggml.quantize(x, name, w))
+                    ns.append(best_ms(lambda: ggml.quantize(x, name, w), n=3) * 1e6 / x.numel())
+                print(f"{name:5s} {'with' if w is not None else 'without'} an importance vector: eager "
+                      f"{ns[0]:6.1f}, compiled {ns[1]:6.1f} ns/weight ({ns[0] / ns[1]:.2f}x), "
+                      f"same bytes: {torch.equal(out[0], out[1])}")
+    finally:
+        cs.enable(False)
+
+
 def state_select() -> None:
     """``kquants._RowSelect`` against ``torch.where(take, new, state, out=state)``: one update
     of a [5, 8192] float32 state (best of 2,000), then Q4_K and Q6_K of 8,192 x 256 values with
@@ -1049,6 +1092,9 @@ def main() -> int:
                     help="only the GGUF round trip's check of MODEL's Q4_K_M (default SmolLM2) "
                          "with gguf-py given merged rows against rows as they are, our side in "
                          "pieces against whole chunks")
+    ap.add_argument("--compiled", action="store_true",
+                    help="only the K-quant search's compiled steps: compile and load time, eager "
+                         "against compiled per type")
     ap.add_argument("--exit", action="store_true",
                     help="only the console commands' exit (gc.freeze) against a plain sys.exit")
     ap.add_argument("--check-costs", action="store_true",
@@ -1076,6 +1122,9 @@ def main() -> int:
         return 0
     if args.weighted:
         weighted_codecs()
+        return 0
+    if args.compiled:
+        compiled_steps()
         return 0
     if args.exit:
         exit_freeze()

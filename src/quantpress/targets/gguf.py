@@ -38,6 +38,7 @@ from quantpress.convert.imatrix_file import Importance, load_importance
 from quantpress.convert.hf import HFModel
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
+from quantpress.quantize.ggml import compiled_searches
 from quantpress.quantize.ggml.processes import start_codec_processes
 from quantpress.runtime import bound_heap, fork_call
 from quantpress.targets.base import Run, Summary, Target
@@ -392,6 +393,13 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             # process while the writer quantizes the first tensors (plan_from_hf's overlap)
             self.plan = plan = (plan_from_gguf(p, o.policy, o) if p.is_file()
                                 else plan_from_hf(p, o.policy, o, overlap=OVERLAP_METADATA))
+            if self.device.type == "cpu" and compiled_searches.worth_it(
+                    (plan.types[t.name], t.numel, t.name in plan.imatrix) for t in plan.tensors):
+                # many K-quant weights: the searches' steps as compiled loops, compiled (or
+                # loaded) before the codec processes are forked, which inherit them
+                compiled_searches.enable()
+                compiled_searches.warm_up(mad=any(plan.types[t.name] == "Q2_K" and t.name not in plan.imatrix
+                                                  for t in plan.tensors))
             if self.device.type == "cpu" and not codecs_leave_a_core(
                     [(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors):
                 start_codec_processes()     # the search codecs' slices beside this thread's

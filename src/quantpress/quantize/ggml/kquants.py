@@ -30,7 +30,7 @@ import contextlib
 import numpy as np
 import torch
 
-from . import GGMLType, register, triton_searches
+from . import GGMLType, compiled_searches, register, triton_searches
 from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, seq_sum0, sliced, sqrtf, to_int8
 
 QK_K = 256
@@ -569,7 +569,8 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     the_min = -min. ``xmin`` float32 [S]: each sub-block's minimum as C's scan finds it (the
     first of equal values, which fixes the sign of a zero minimum; it matters where the_min
     is stored as it is, as in Q4_1/Q5_1); None: ``x.amin(0)``. On a CUDA device one Triton
-    kernel (:func:`triton_searches.qkx2`), the same bits.
+    kernel (:func:`triton_searches.qkx2`); on the CPU, once enabled, the steps are compiled
+    loops (:mod:`compiled_searches`): the same bits.
     """
     if triton_searches.available(x):
         with contextlib.suppress(triton_searches.KernelUnavailable):
@@ -667,9 +668,14 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     (pos_, take_, lt_, this_min_, this_scale_, alt_, sum_xl_, sum_l2_, fit_d_, cur_,
      best_) = map(sm.view, (pos, take, lt, this_min, this_scale, alt, sum_xl, sum_l2, fit_d, cur, best))
-    for k in range(nstep + 1):
-        # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
-        num = f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax)
+    # C: rmin + rdelta*is + nmax with float parameters rmin, rdelta (e.g. 0.1f)
+    nums = [f32(f32(f32(rmin) + f32(f32(rdelta) * k)) + nmax) for k in range(nstep + 1)]
+    k0 = 0
+    if fast_ok and compiled_searches.enabled():
+        # the steps as compiled loops (the same bits), up to a step outside the fast
+        # rounding's range, from which the steps below go on
+        k0 = compiled_searches.run_steps(x, w, ends, dead, ST, sum_w, sum_x, nmax, nums, use_mad)
+    for num in nums[k0:]:
         torch.sub(mx, mn, out=den)
         iscale.fill_(num).div_(den)         # num / (max - min)
         mn_used.copy_(mn)

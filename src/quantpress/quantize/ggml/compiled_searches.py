@@ -102,8 +102,8 @@ def qkx2_step(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, live: torch.
               mx: torch.Tensor, st: torch.Tensor, sum_w: torch.Tensor, sum_x: torch.Tensor,
               num: torch.Tensor, nmax: torch.Tensor, safe: torch.Tensor,
               use_mad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of ``make_qkx2_quants`` over S sub-blocks, in plain torch operations (what
-    :func:`compiled` compiles; eager, it gives the same bits).
+    """One step of ``make_qkx2_quants`` over S sub-blocks, in plain torch operations: what
+    :func:`compiled` compiles (run eagerly, torch's ``sum`` would not add in C's order).
 
     ``x``, ``w`` float32 [n, S] (values, weights); ``ends`` [2, S] each sub-block's (min,
     max), ``live`` bool [S] (False: max == min, excluded from the range check), ``mx`` [S]

@@ -100,7 +100,7 @@ With ``--compiled`` only the K-quant search's compiled steps
 (``quantize.ggml.compiled_searches``): a fresh process's time to compile them with an empty
 kernel cache and to load them from the cache, then Q2_K, Q4_K and Q5_K of 2M weights with and
 without an importance vector (Q4_1 and Q5_1 with one), eager against compiled steps (one
-thread, best of three, the same bytes): nanoseconds per weight.
+thread, alternating, three runs each, the same bytes): milliseconds.
 
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
@@ -620,22 +620,12 @@ def compiled_steps() -> None:
     bound_heap()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1024, 2048, generator=g) * 0.02
+    x = torch.randn(1024, 2048, generator=g) * 0.02           # 2M values
     qw = torch.rand(2048, generator=g) + 0.1
-    try:
-        for name, weights in [("Q2_K", (None, qw)), ("Q4_K", (None, qw)), ("Q5_K", (None, qw)),
-                              ("Q4_1", (qw,)), ("Q5_1", (qw,))]:
-            for w in weights:
-                out, ns = [], []
-                for on in (False, True):
-                    cs.enable(on)
-                    out.append(ggml.quantize(x, name, w))
-                    ns.append(best_ms(lambda: ggml.quantize(x, name, w), n=3) * 1e6 / x.numel())
-                print(f"{name:5s} {'with' if w is not None else 'without'} an importance vector: eager "
-                      f"{ns[0]:6.1f}, compiled {ns[1]:6.1f} ns/weight ({ns[0] / ns[1]:.2f}x), "
-                      f"same bytes: {torch.equal(out[0], out[1])}")
-    finally:
-        cs.enable(False)
+    codecs = [(f"{name}{' imatrix' if w is not None else ''}", lambda name=name, w=w: ggml.quantize(x, name, w))
+              for name, weights in [("Q2_K", (None, qw)), ("Q4_K", (None, qw)), ("Q5_K", (None, qw)),
+                                    ("Q4_1", (qw,)), ("Q5_1", (qw,))] for w in weights]
+    codec_ab({"eager": False, "compiled": True}, cs.enable, codecs, "eager", 8, rounds=3)
 
 
 def state_select() -> None:
@@ -820,7 +810,7 @@ def levels_bytes() -> None:
     def positions_first():
         e = torch.stack([xs.amin(0), xs.amax(0)])
         e += mj
-        assert bool(e.div_(dj).abs_().amax() <= kquants._NI_SAFE)
+        assert bool(e.div_(dj).abs_().amax() <= kquants.NI_SAFE)
         t = xs + mj
         t.div_(dj).round_().clamp_(0, 15)
         return t.t().contiguous().reshape(nb, 256).to(torch.uint8)

@@ -20,6 +20,8 @@ import ggml_ref
 import quantpress.quantize.ggml as qg
 from quantpress.cli.convert_main import main as convert_main
 from quantpress.quantize.ggml import compiled_searches as cs
+from quantpress.quantize.ggml import kquants
+from quantpress.targets.gguf import GGUFOptions, plan_from_hf
 from test_ggml_codecs import INPUTS
 from test_ggml_imatrix import _imatrix, _random_tensor, _special_rows
 
@@ -35,7 +37,7 @@ def steps(monkeypatch):
 
     def spy(*args, **kw):
         n = run(*args, **kw)
-        done.append((n, len(args[8])))
+        done.append((n, len(args[8])))         # (steps done, numerators given)
         return n
 
     monkeypatch.setattr(cs, "run_steps", spy)
@@ -85,10 +87,10 @@ def test_compiled_weighted_steps_match_llamacpp(steps, name, im_kind):
 
 @pytest.mark.parametrize("name,bound", [("Q2_K", 3.2), ("Q4_K", 15.0), ("Q4_1", 15.0)])
 def test_steps_outside_the_rounding_range_go_on_eagerly(steps, name, bound, monkeypatch):
-    # with the bound lowered below the later steps' numerators (rmin + rdelta*k + nmax, the
-    # largest scaled value), those steps fail the range check: the eager steps go on from
-    # the state the compiled ones reached
-    monkeypatch.setattr(cs, "NI_SAFE", bound)
+    # with the fast rounding's range lowered below the later steps' numerators (rmin +
+    # rdelta*k + nmax, the largest scaled value), those steps fail the range check: the eager
+    # steps (with C's integer rounding there) go on from the state the compiled ones reached
+    monkeypatch.setattr(kquants, "NI_SAFE", bound)
     x = np.concatenate([_random_tensor(4, 32, 256), _tame_edge_rows()])
     _check(x, name, _imatrix("lognormal", 256) if name == "Q4_1" else None)
     assert any(0 < n < asked for n, asked in steps), steps
@@ -132,7 +134,10 @@ def test_without_a_compiler_the_eager_search_is_used(tmp_path):
     assert r.stderr.count("RuntimeWarning: quantpress: compiling the K-quant search failed") == 1, r.stderr[-2000:]
 
 
-def test_worth_it_counts_the_search_weights():
+def test_worth_it_counts_the_search_weights(smollm2_dir):
+    # SmolLM2's Q4_K_M (576-wide tensors fall back to legacy types) stays below the threshold
+    plan = plan_from_hf(smollm2_dir, "Q4_K_M", GGUFOptions(policy="Q4_K_M"), overlap=False)
+    assert not cs.worth_it((plan.types[t.name], t.numel, False) for t in plan.tensors)
     n = cs.MIN_WEIGHTS
     assert cs.worth_it([("Q4_K", n // 2, False), ("Q5_K", n // 2, False)])
     assert not cs.worth_it([("Q4_K", n // 2, False), ("Q6_K", n, False), ("Q4_1", n, False)])

@@ -6,8 +6,8 @@ each a pass over a slice of 2^18 values: the slice's arrays do not stay in the L
 between passes, and smaller slices spend the time saved on each operation's dispatch. Here
 one step (:func:`qkx2_step`) is compiled into a few C++ loops over the sub-blocks, each
 holding a sub-block's values in registers from its levels to its error: the codecs that use
-the search run 2.0-2.5x faster on one thread (Q4_K 120.2 against 52.5 ns per weight, 206.8
-against 92.7 with an importance vector, on a 2-core Intel Xeon; ``scripts/micro_figures.py
+the search run 2.1-2.5x faster on one thread (Q4_K 114.1 against 51.9 ns per weight, 203.3
+against 87.5 with an importance vector, on a 2-core Intel Xeon; ``scripts/micro_figures.py
 --compiled``).
 
 The bits are those of the torch search, hence llama.cpp's (``make_qkx2_quants`` /
@@ -26,13 +26,14 @@ The bits are those of the torch search, hence llama.cpp's (``make_qkx2_quants`` 
 
 Used on the CPU once :func:`enable` was called (the GGUF target does for large workloads,
 ``targets.gguf``) or with ``QUANTPRESS_COMPILED_SEARCHES=1``; ``=0`` turns it off. The
-first call compiles (13.7 s in a fresh process, more on a busy machine; the kernels are kept
+first call compiles (14.1 s in a fresh process, more on a busy machine; the kernels are kept
 in quantpress's cache, ``inductor/``, and a later process loads them in 3.9 s: micro_figures.py
 --compiled). A failure to compile (no C++ compiler) turns it off for the process with one
 warning: the eager search gives the same bytes.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -42,16 +43,15 @@ import torch
 
 from .common import single_threaded_ops
 
-#: |v| up to this: round(v) equals C's nearest_int(v) (kquants' fast path bound)
-NI_SAFE = 4194303.0
 #: ggml types whose quantization runs make_qkx2_quants: always, and only with importance weights
 SEARCH_TYPES = frozenset({"Q2_K", "Q4_K", "Q5_K"})
 WEIGHTED_SEARCH_TYPES = frozenset({"Q4_1", "Q5_1"})
 #: weights quantized by those searches from which compiling pays: a process loads the
 #: compiled kernels in about 4 s (compiles them in ~14 s the first time), and they save about
-#: 65 ns per weight of Q4_K on one lane, 115 with an importance vector (micro_figures.py
-#: --compiled): 2^27 weights are about 4 s saved on each of two lanes; SmolLM2's Q4_K_M
-#: (14M such weights) stays below, the 554M random llama's (422M) above
+#: 60 ns per weight of Q4_K on one lane, 115 with an importance vector (micro_figures.py
+#: --compiled): 2^27 weights are about 4 s saved on each of two lanes. SmolLM2's Q4_K_M
+#: stays below (tests/test_compiled_searches.py), the 554M random llama's goes above
+#: (``bench_gguf.py --model synth4x``: its "prepare" stage loads the kernels)
 MIN_WEIGHTS = 1 << 27
 
 _state = {"on": False, "failed": None, "fn": None}
@@ -94,7 +94,7 @@ def warm_up(mad: bool = True) -> bool:
     st = torch.stack([torch.full((64,), 7.0), ends[0], torch.full((64,), 1e30), torch.ones(64), ends[0]])
     for use_mad in (False, True) if mad else (False,):
         run_steps(x, x.abs() + 1.0, ends, None, st.clone(), torch.ones(64), torch.ones(64), 15, [14.0],
-                  use_mad)
+                  use_mad, math.inf)
     return enabled() and _state["fn"] is not None
 
 
@@ -110,7 +110,7 @@ def qkx2_step(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, live: torch.
     its max; ``st`` float32 [5, S] the search state (selected inverse scale, its shift, best
     error, scale, min); ``sum_w``, ``sum_x`` [S]; ``num`` the step's numerator
     ``rmin + rdelta·k + nmax`` (float32 0-d), ``nmax`` float32 0-d, ``safe`` the rounding
-    bound (:data:`NI_SAFE`); ``use_mad``: |e| instead of e². Returns (the new state [5, S],
+    bound (``kquants.NI_SAFE``); ``use_mad``: |e| instead of e². Returns (the new state [5, S],
     bool 0-d: some live sub-block's scaled values may exceed ``safe``, and then the step is
     not valid)."""
     sel_iscale, sel_shift, best, scale, mn = st.unbind(0)
@@ -167,9 +167,10 @@ def _turn_off(e: BaseException) -> None:
 
 def run_steps(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, dead: torch.Tensor | None,
               st: torch.Tensor, sum_w: torch.Tensor, sum_x: torch.Tensor, nmax: int,
-              nums: list[float], use_mad: bool) -> int:
+              nums: list[float], use_mad: bool, safe: float) -> int:
     """Run the steps with numerators ``nums`` (float32 values, in order) compiled, updating
-    the state ``st`` [5, S] in place (shapes as :func:`qkx2_step`; ``dead`` bool [S] or None).
+    the state ``st`` [5, S] in place (shapes as :func:`qkx2_step`; ``dead`` bool [S] or None;
+    ``safe`` the fast rounding's range, ``kquants.NI_SAFE``).
     Returns how many steps were done: all of them, or fewer when a step fails the range check
     or compiling failed (the caller goes on from there with the eager steps, from the same
     state)."""
@@ -177,15 +178,15 @@ def run_steps(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, dead: torch.
     if fn is None:
         return 0
     with single_threaded_ops():         # the kernels' loops run on the calling thread
-        return _steps(fn, x, w, ends, dead, st, sum_w, sum_x, nmax, nums, use_mad)
+        return _steps(fn, x, w, ends, dead, st, sum_w, sum_x, nmax, nums, use_mad, safe)
 
 
-def _steps(fn, x, w, ends, dead, st, sum_w, sum_x, nmax, nums, use_mad) -> int:
+def _steps(fn, x, w, ends, dead, st, sum_w, sum_x, nmax, nums, use_mad, safe) -> int:
     S = x.shape[1]
     live = torch.ones(S, dtype=torch.bool) if dead is None else ~dead
     mx = ends[1]
     nmax_t = torch.tensor(float(nmax))
-    safe = torch.tensor(NI_SAFE)
+    safe = torch.tensor(safe)
     sig = (use_mad, x.shape[0] == 1, S == 1)
     for k, num in enumerate(nums):
         args = (x, w, ends, live, mx, st, sum_w, sum_x, torch.tensor(num), nmax_t, safe, use_mad)

@@ -123,7 +123,9 @@ def _ni_clamp_(v: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> torch.Te
 FAST_ROUNDING_ON_CPU = True
 
 _MAGIC = 12582912.0     # 1.5 * 2**23: nearest_int's shift constant
-_NI_SAFE = 4194303.0    # |v| up to this: nearest_int(v) == (v + _MAGIC) - _MAGIC, exactly
+#: |v| up to this: nearest_int(v) == (v + _MAGIC) - _MAGIC == round(v), exactly (the fast
+#: rounding's range; also the compiled search steps' range check, :mod:`compiled_searches`)
+NI_SAFE = 4194303.0
 
 
 def _round_clamp_(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -167,7 +169,7 @@ def _requant_bytes(x: torch.Tensor, xs: torch.Tensor, mj: torch.Tensor | None, d
         e.div_(dj).abs_()
         if any_zero:
             e.masked_fill_(zero_dj, 0.0)
-        fast = bool(e.amax() <= _NI_SAFE)       # NaN -> False
+        fast = bool(e.amax() <= NI_SAFE)       # NaN -> False
     dc = dj.reshape(S, 1)
     if mj is not None:
         t = torch.add(xb, mj.reshape(S, 1)).div_(dc)
@@ -611,7 +613,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
             chk.mul_(iscale).abs_()
             if dead is not None:
                 chk.masked_fill_(dead, 0.0)
-            if bool(chk.amax() <= _NI_SAFE):            # NaN -> False
+            if bool(chk.amax() <= NI_SAFE):            # NaN -> False
                 torch.sub(x, mn, out=out)
                 out.mul_(iscale)            # iscale*(x - min)
                 return out.round_().clamp_(0, nmax)
@@ -674,7 +676,8 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     if fast_ok and compiled_searches.enabled():
         # the steps as compiled loops (the same bits), up to a step outside the fast
         # rounding's range, from which the steps below go on
-        k0 = compiled_searches.run_steps(x, w, ends, dead, ST, sum_w, sum_x, nmax, nums, use_mad)
+        k0 = compiled_searches.run_steps(x, w, ends, dead, ST, sum_w, sum_x, nmax, nums, use_mad,
+                                         NI_SAFE)
     for num in nums[k0:]:
         torch.sub(mx, mn, out=den)
         iscale.fill_(num).div_(den)         # num / (max - min)

@@ -134,6 +134,44 @@ def test_without_a_compiler_the_eager_search_is_used(tmp_path):
     assert r.stderr.count("RuntimeWarning: quantpress: compiling the K-quant search failed") == 1, r.stderr[-2000:]
 
 
+_AT_CAPABILITY = """
+import sys, numpy as np, torch
+from quantpress.quantize import ggml
+from quantpress.quantize.ggml import compiled_searches as cs
+done = []
+run = cs.run_steps
+cs.run_steps = lambda *a, **k: done.append(run(*a, **k)) or done[-1]
+x = torch.from_numpy(np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32))
+sys.stdout.buffer.write(ggml.quantize(x, "Q4_K").numpy().tobytes())
+print(cs.enabled() and sum(done) > 0, torch.backends.cpu.get_cpu_capability(), file=sys.stderr)
+"""
+
+
+def test_kernels_are_kept_per_instruction_set(monkeypatch):
+    """Processes at other CPU capabilities than this one's (torch's scalar ``default``, and
+    ``avx2`` on an AVX-512 machine) compile and use kernels of their own, not those this
+    process compiled for its vector instructions, which Inductor's cache would hand them (at
+    ``default`` they failed to compile; at ``avx2`` after AVX-512 they gave wrong values and
+    Q4_K bytes that are not llama.cpp's), and write llama.cpp's bytes."""
+    monkeypatch.setenv("QUANTPRESS_COMPILED_SEARCHES", "1")
+    assert cs.warm_up(mad=False)                    # this process's kernels are in the cache
+    here = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert here == str(cs.kernel_cache_dir()) and Path(here).name == cs.machine_key()
+    native = torch.backends.cpu.get_cpu_capability()
+    others = ["default"] + (["avx2"] if native == "AVX512" else [])
+    x = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32)
+    ref = ggml_ref.ref_quantize(x, "Q4_K").tobytes()   # (numpy's values: torch's randn differs by capability)
+    for cap in others:
+        r = subprocess.run([sys.executable, "-c", _AT_CAPABILITY], capture_output=True, timeout=900,
+                           env=dict(os.environ, ATEN_CPU_CAPABILITY=cap))
+        err = r.stderr.decode(errors="replace")
+        assert r.returncode == 0, err[-2000:]
+        assert "RuntimeWarning" not in err, err[-2000:]
+        assert err.split()[-2:] == ["True", cap.upper()], err[-2000:]
+        assert (Path(here).parent / f"{cap}-{cs.machine_key().split('-', 1)[1]}").is_dir()
+        assert r.stdout == ref, cap
+
+
 def test_worth_it_counts_the_search_weights(smollm2_dir):
     # SmolLM2's Q4_K_M (576-wide tensors fall back to legacy types) stays below the threshold
     plan = plan_from_hf(smollm2_dir, "Q4_K_M", GGUFOptions(policy="Q4_K_M"), overlap=False)

@@ -27,16 +27,19 @@ The bits are those of the torch search, hence llama.cpp's (``make_qkx2_quants`` 
 Used on the CPU once :func:`enable` was called (the GGUF target does for large workloads,
 ``targets.gguf``) or with ``QUANTPRESS_COMPILED_SEARCHES=1``; ``=0`` turns it off. The
 first call compiles (14.1 s in a fresh process, more on a busy machine; the kernels are kept
-in quantpress's cache, ``inductor/``, and a later process loads them in 3.9 s: micro_figures.py
---compiled). A failure to compile (no C++ compiler) turns it off for the process with one
+in quantpress's cache under ``inductor/``, one directory per instruction set and processor,
+:func:`machine_key`, and a later process loads them in 3.9 s: micro_figures.py --compiled). A failure to compile (no C++ compiler) turns it off for the process with one
 warning: the eager search gives the same bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import platform
 import threading
 import warnings
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -134,12 +137,65 @@ def qkx2_step(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, live: torch.
     return torch.where(take, new, st), unsafe
 
 
-def _configure() -> None:
-    """Inductor's settings that the bits depend on, and its cache under quantpress's."""
+#: the kernel directory this process gave Inductor (:func:`kernel_cache_dir`), inherited by
+#: the processes it starts: theirs is keyed again from the same base
+KERNEL_DIR_ENV = "QUANTPRESS_INDUCTOR_DIR"
+#: /proc/cpuinfo's fields that identify the processor and what it can run
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer",
+               "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+def machine_key() -> str:
+    """``<capability>-<digest>`` naming the kernels this process may use: torch's CPU
+    capability (``ATEN_CPU_CAPABILITY`` or the detected one: ``avx512``, ``avx2``, ``default``,
+    the instruction set Inductor vectorizes for) and 12 hex digits of a SHA-256 over the torch
+    version, the architecture and the first processor's identity and feature flags in
+    ``/proc/cpuinfo`` (:data:`_CPU_FIELDS`; the architecture and processor name elsewhere).
+
+    Inductor's own cache (torch 2.13) does not key its C++ kernels by the instruction set: a
+    kernel generated for AVX-512 and loaded by a process at ``ATEN_CPU_CAPABILITY=avx2`` gave
+    wrong values for half of its elements, and at ``default`` failed to compile; a directory
+    shared by machines of different processors (a home directory on NFS, a batch's Ray nodes)
+    or a process started at another capability must not see another's kernels."""
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    ident = [torch.__version__, platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break                                   # the first processor's block
+                k, _, v = line.partition(":")
+                if k.strip() in _CPU_FIELDS:
+                    ident.append(f"{k.strip()}={v.strip()}")
+    except OSError:
+        pass
+    digest = hashlib.sha256("\n".join(ident).encode()).hexdigest()
+    return f"{cap}-{digest[:12]}"
+
+
+def kernel_cache_dir() -> Path:
+    """The directory for Inductor's cache in this process: ``<base>/<machine_key()>``, the
+    base being ``$TORCHINDUCTOR_CACHE_DIR`` when a user (or a caller) set it, else
+    quantpress's cache's ``inductor/`` (:func:`assets.cache_root`); a directory that a
+    quantpress parent set (:data:`KERNEL_DIR_ENV`) gives back its base, keyed for this
+    process."""
     from quantpress import assets
 
-    # before Inductor is imported: it takes its default cache directory then
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(assets.cache_root() / "inductor"))
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env and env == os.environ.get(KERNEL_DIR_ENV):
+        base = Path(env).parent
+    elif env:
+        base = Path(env)
+    else:
+        base = assets.cache_root() / "inductor"
+    return base / machine_key()
+
+
+def _configure() -> None:
+    """Inductor's settings that the bits depend on, and its cache (:func:`kernel_cache_dir`)."""
+    # before Inductor first reads it (its default cache directory is taken then)
+    d = str(kernel_cache_dir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[KERNEL_DIR_ENV] = d
     import torch._inductor.config as ic
 
     ic.cpp.enable_floating_point_contract_flag = "off"

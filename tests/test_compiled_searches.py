@@ -148,28 +148,28 @@ print(cs.enabled() and sum(done) > 0, torch.backends.cpu.get_cpu_capability(), f
 
 
 def test_kernels_are_kept_per_instruction_set(monkeypatch):
-    """Processes at other CPU capabilities than this one's (torch's scalar ``default``, and
-    ``avx2`` on an AVX-512 machine) compile and use kernels of their own, not those this
-    process compiled for its vector instructions, which Inductor's cache would hand them (at
-    ``default`` they failed to compile; at ``avx2`` after AVX-512 they gave wrong values and
-    Q4_K bytes that are not llama.cpp's), and write llama.cpp's bytes."""
+    """A process at another CPU capability than this one's (``avx2`` on an AVX-512 machine,
+    else torch's scalar ``default``) compiles and uses kernels of its own, not those this
+    process compiled for its vector instructions, which Inductor's cache would hand it (at
+    ``avx2`` after AVX-512 they gave wrong values and Q4_K bytes that are not llama.cpp's; at
+    ``default`` they failed to compile), and writes llama.cpp's bytes. One such process (15-20
+    s of a loaded CI worker with its kernels cached)."""
     monkeypatch.setenv("QUANTPRESS_COMPILED_SEARCHES", "1")
     assert cs.warm_up(mad=False)                    # this process's kernels are in the cache
     here = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert here == str(cs.kernel_cache_dir()) and Path(here).name == cs.machine_key()
     native = torch.backends.cpu.get_cpu_capability()
-    others = ["default"] + (["avx2"] if native == "AVX512" else [])
+    cap = "avx2" if native == "AVX512" else "default"
     x = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32)
     ref = ggml_ref.ref_quantize(x, "Q4_K").tobytes()   # (numpy's values: torch's randn differs by capability)
-    for cap in others:
-        r = subprocess.run([sys.executable, "-c", _AT_CAPABILITY], capture_output=True, timeout=900,
-                           env=dict(os.environ, ATEN_CPU_CAPABILITY=cap))
-        err = r.stderr.decode(errors="replace")
-        assert r.returncode == 0, err[-2000:]
-        assert "RuntimeWarning" not in err, err[-2000:]
-        assert err.split()[-2:] == ["True", cap.upper()], err[-2000:]
-        assert (Path(here).parent / f"{cap}-{cs.machine_key().split('-', 1)[1]}").is_dir()
-        assert r.stdout == ref, cap
+    r = subprocess.run([sys.executable, "-c", _AT_CAPABILITY], capture_output=True, timeout=900,
+                       env=dict(os.environ, ATEN_CPU_CAPABILITY=cap))
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 0, err[-2000:]
+    assert "RuntimeWarning" not in err, err[-2000:]
+    assert err.split()[-2:] == ["True", cap.upper()], err[-2000:]
+    assert (Path(here).parent / f"{cap}-{cs.machine_key().split('-', 1)[1]}").is_dir()
+    assert r.stdout == ref
 
 
 def test_worth_it_counts_the_search_weights(smollm2_dir):

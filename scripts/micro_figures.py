@@ -102,6 +102,13 @@ kernel cache and to load them from the cache, then Q2_K, Q4_K and Q5_K of 2M wei
 without an importance vector (Q4_1 and Q5_1 with one), eager against compiled steps (one
 thread, alternating, three runs each, the same bytes): milliseconds.
 
+With ``--kernel-cache`` (on an AVX-512 machine) only why compiled_searches keys its kernel
+directory by the instruction set: in a fresh directory, a process at the native capability
+compiles the Q4_K search, then processes at ``ATEN_CPU_CAPABILITY=avx2`` run it from one
+shared directory (as Inductor's own cache would hand it over) and from their keyed one
+(:func:`compiled_searches.kernel_cache_dir`); each prints how many of 256 Q4_K blocks differ
+from the eager search's (llama.cpp's) bytes and whether a compile failure was warned.
+
 With ``--exit`` only the console commands' ending (``cli.common.exit_with``): SmolLM2's
 ``convert hf-to-gguf`` to Q4_K_M ended by it and by a plain ``sys.exit``, three runs each,
 alternating (wall seconds of the process).
@@ -628,6 +635,44 @@ def compiled_steps() -> None:
     codec_ab({"eager": False, "compiled": True}, cs.enable, codecs, "eager", 8, rounds=3)
 
 
+_KERNEL_CACHE_CHILD = """
+import sys, warnings, numpy as np, torch
+from quantpress.quantize import ggml
+from quantpress.quantize.ggml import compiled_searches as cs
+if sys.argv[1] == "shared":
+    cs.machine_key = lambda: "shared"
+x = torch.from_numpy(np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    cs.enable()
+    a = ggml.quantize(x, "Q4_K")
+cs.enable(False)
+b = ggml.quantize(x, "Q4_K")
+print((a != b).reshape(256, -1).any(1).sum().item(), any("search failed" in str(m.message) for m in w))
+"""
+
+
+def kernel_cache() -> None:
+    """Q4_K of 256 blocks with the compiled steps at ``avx2`` after a native (AVX-512) compile:
+    from one shared kernel directory and from the keyed ones, blocks differing from eager."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        print("needs an AVX-512 machine (the native kernels must be other than avx2's)")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        env = {k: v for k, v in os.environ.items() if k not in ("QUANTPRESS_INDUCTOR_DIR", "ATEN_CPU_CAPABILITY")}
+        env.update(TORCHINDUCTOR_CACHE_DIR=d, OMP_NUM_THREADS="1")
+        for layout in ("shared", "keyed"):
+            for cap in (None, "avx2"):
+                e = dict(env, **({"ATEN_CPU_CAPABILITY": cap} if cap else {}))
+                r = subprocess.run([sys.executable, "-c", _KERNEL_CACHE_CHILD, layout], capture_output=True,
+                                   text=True, check=True, env=e)
+                bad, warned = r.stdout.split()
+                print(f"{layout:6s} directory, {cap or 'native'} process: {bad} of 256 Q4_K blocks differ "
+                      f"from the eager search's, compile failure warned: {warned}")
+
+
 def state_select() -> None:
     """``kquants._RowSelect`` against ``torch.where(take, new, state, out=state)``: one update
     of a [5, 8192] float32 state (best of 2,000), then Q4_K and Q6_K of 8,192 x 256 values with
@@ -1085,6 +1130,9 @@ def main() -> int:
     ap.add_argument("--compiled", action="store_true",
                     help="only the K-quant search's compiled steps: compile and load time, eager "
                          "against compiled per type")
+    ap.add_argument("--kernel-cache", action="store_true",
+                    help="only the compiled steps at avx2 after a native AVX-512 compile, from one "
+                         "shared kernel directory and from keyed ones")
     ap.add_argument("--exit", action="store_true",
                     help="only the console commands' exit (gc.freeze) against a plain sys.exit")
     ap.add_argument("--check-costs", action="store_true",
@@ -1115,6 +1163,9 @@ def main() -> int:
         return 0
     if args.compiled:
         compiled_steps()
+        return 0
+    if args.kernel_cache:
+        kernel_cache()
         return 0
     if args.exit:
         exit_freeze()

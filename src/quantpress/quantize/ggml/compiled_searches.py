@@ -28,8 +28,9 @@ Used on the CPU once :func:`enable` was called (the GGUF target does for large w
 ``targets.gguf``) or with ``QUANTPRESS_COMPILED_SEARCHES=1``; ``=0`` turns it off. The
 first call compiles (14.1 s in a fresh process, more on a busy machine; the kernels are kept
 in quantpress's cache under ``inductor/``, one directory per instruction set and processor,
-:func:`machine_key`, and a later process loads them in 3.9 s: micro_figures.py --compiled). A failure to compile (no C++ compiler) turns it off for the process with one
-warning: the eager search gives the same bytes.
+:func:`machine_key`, and a later process loads them in 3.9 s: micro_figures.py --compiled).
+A failure to compile (no C++ compiler) turns it off for the process with one warning: the
+eager search gives the same bytes.
 """
 from __future__ import annotations
 
@@ -153,8 +154,9 @@ def machine_key() -> str:
     ``/proc/cpuinfo`` (:data:`_CPU_FIELDS`; the architecture and processor name elsewhere).
 
     Inductor's own cache (torch 2.13) does not key its C++ kernels by the instruction set: a
-    kernel generated for AVX-512 and loaded by a process at ``ATEN_CPU_CAPABILITY=avx2`` gave
-    wrong values for half of its elements, and at ``default`` failed to compile; a directory
+    kernel generated for AVX-512 and loaded by a process at ``ATEN_CPU_CAPABILITY=avx2``
+    wrote Q4_K bytes of which half the blocks were not llama.cpp's (``scripts/micro_figures.py
+    --kernel-cache``: 128 of 256), and at ``default`` failed to compile; a directory
     shared by machines of different processors (a home directory on NFS, a batch's Ray nodes)
     or a process started at another capability must not see another's kernels."""
     cap = torch.backends.cpu.get_cpu_capability().lower()

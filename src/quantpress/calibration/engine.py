@@ -56,9 +56,9 @@ class SafetensorsDir:
 
     Every read opens its file and closes it again: a safetensors handle keeps its memory map,
     and the pages read through it would stay in the process's RSS, so that a pass over every
-    layer would end holding the whole checkpoint: ``quantize imatrix`` of SmolLM2 at 128 x 512
-    tokens peaked at 1,129 MiB RSS with the handles kept, at 875 MiB with a handle per read
-    (``scripts/bench_imatrix.py --samples 128``), in the same time."""
+    layer would end holding the whole checkpoint (``scripts/bench_imatrix.py --samples 128``
+    measures the peak RSS; the figures with and without kept handles are in
+    docs/benchmarks.md)."""
 
     def __init__(self, model_dir: str | Path):
         from safetensors import safe_open
@@ -624,9 +624,9 @@ def estimate_line(rows: int, seqlen: int, layers: int, first_seconds: float) -> 
     """The one-line estimate a streamed pass prints after its first layer: ``rows`` ×
     ``seqlen`` tokens through ``layers`` decoder layers (those left, the first included) at the
     rate of the first one (``first_seconds``, wall seconds, loading and the consumers' work
-    included), e.g. ``estimate: 128 rows x 512 tokens x 30 layers: the first took 250.3 s
-    (262 tokens/s), about 2 h 05 min for the pass``. The progress bar's remaining time
-    updates it as layers finish."""
+    included), in the form ``estimate: ROWS rows x SEQLEN tokens x LAYERS layers: the first
+    took SECONDS s (RATE tokens/s), about H h MM min for the pass``. The progress bar's
+    remaining time updates it as layers finish."""
     tokens = rows * seqlen
     rate = tokens / max(first_seconds, 1e-9)
     return (f"estimate: {rows} rows x {seqlen} tokens x {layers} layers: the first took "

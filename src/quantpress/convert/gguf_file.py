@@ -141,14 +141,10 @@ WINDOW_ELEMENTS = 1 << 27
 #: imatrix) cost several times their check (:func:`codecs_leave_a_core`)
 LIGHT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 #: where windows are used (:func:`_window_elements`), load the next window's tensors in a
-#: background thread while one is encoded, written and handed to the round trip. The 554M
-#: random llama's Q4_K_M (`quantize gguf`, one H100 and 16 Xeon cores,
-#: `scripts/bench_gguf.py --model synth4x --quantize-only --windows`, two runs each): on CUDA
-#: without the round trip 1.50-1.53 s against 1.62-1.63 s without reading ahead, with it
-#: 2.10-2.45 s against 2.07-2.65 s (before the writer left the checkers their cores, when its
-#: waits for them were long, 2.8-3.0 s against 4.7-5.2 s); on the 16 cores with codec
-#: processes 10.1-10.5 s against 12.3-12.7 s with the round trip, no difference without it
-#: (8.2-9.3 s)
+#: background thread while one is encoded, written and handed to the round trip: on CUDA
+#: and on 16 CPU cores with codec processes reading ahead was faster or equal in every
+#: setting measured, never slower beyond noise (`scripts/bench_gguf.py --model synth4x
+#: --quantize-only --windows`; figures in docs/benchmarks.md)
 READ_AHEAD = True
 
 
@@ -160,13 +156,11 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
     no codec process is needed); else its codecs keep every core (over the codec processes,
     where started, in windows of several tensors: :data:`CPU_WINDOW_ROUNDS`, so a tensor's
     size does not matter) and the checks share them. ``files`` as :func:`write_gguf_many`'s
-    (the paths are not used). Quantize+write with the round trip on this project's two cores
-    (`scripts/bench_gguf.py --quantize-only --windows` on an F16 file, two runs each):
-    SmolLM2's Q4_K_M (mostly Q5_0 and Q8_0: its rows of 576 are no K-quant's; 20% of its
-    weights heavy) 1.74-1.76 s leaving the core, 2.26-2.28 s on both; with its imatrix (79%
-    heavy: weighted Q5_0, Q4_K and Q6_K tensors of 884K weights, `--imatrix`) 4.80-4.82 s
-    leaving it, 4.16-4.29 s on both; the 554M random llama's (Q4_K and Q6_K, `--model synth4x`)
-    23.8-24.1 s leaving it, 16.7-17.8 s on both."""
+    (the paths are not used). The half-of-the-weights rule is where the two choices crossed
+    on two cores: SmolLM2's Q4_K_M (20% of its weights heavy) was faster leaving the checker
+    its core, the same with its imatrix (79% heavy) and the 554M random llama's Q4_K_M were
+    faster on both cores (`scripts/bench_gguf.py --quantize-only --windows`; figures in
+    docs/benchmarks.md)."""
     plans = [(types, (rest[0] if rest else None) or {}) for _, _, types, *rest in files]
 
     def heavy_in(st: SourceTensor, types: dict, imatrix: dict) -> bool:
@@ -179,10 +173,9 @@ def codecs_leave_a_core(files: list, tensors: list[SourceTensor]) -> bool:
 #: on the CPU with codec processes (:mod:`quantpress.quantize.ggml.processes`), a window holds
 #: this many codec slices (``CPU_SLICE_ELEMENTS``) per lane, so that every lane has work until
 #: the window's end, whatever its tensors' sizes (one tensor at a time, a 1536 x 512 tensor's
-#: two slices kept two of 16 lanes busy). The 554M random llama's Q4_K_M without the round
-#: trip on 16 Xeon cores: 15.3-15.4 s one tensor at a time, 7.8-8.3 s with windows of 2^21,
-#: 2^22 or 2^23 elements per lane alike (2^25 to 2^27 elements there; 2 cores: 2^23), by the
-#: code that became scripts/bench_gguf.py --windows; 16 slices of 2^18: 2^22 per lane. The
+#: two slices kept two of 16 lanes busy). On 16 cores windows of 2^21, 2^22 or 2^23 elements
+#: per lane did alike, about twice as fast as one tensor at a time (scripts/bench_gguf.py
+#: --windows; figures in docs/benchmarks.md); 16 slices of 2^18: 2^22 per lane. The
 #: same count as ``quantize.ggml.CPU_WEIGHTED_ROUNDS``, the slices per lane whose importance
 #: weights quantize_many expands at a time, so that a window's go to the codecs in one call
 CPU_WINDOW_ROUNDS = ggml.CPU_WEIGHTED_ROUNDS
@@ -239,9 +232,8 @@ def _to_encode(st: SourceTensor, t: torch.Tensor, device: torch.device) -> torch
     if tuple(t.shape) != tuple(st.shape):
         raise InputError(f"tensor '{st.name}': shape {tuple(t.shape)}, expected {st.shape}")
     # off the CPU the NaN/Inf check runs on the device's copy (the CPU's cores are the
-    # checkers'): the 554M model's checks took 0.03-0.04 s of its stage there, on one H100
-    # box, against 0.08 s (no round trip) to 0.15-0.19 s (beside it) on the CPU of another
-    # (by the code that became scripts/bench_gguf.py --stages)
+    # checkers'; on the device it takes a fraction of the CPU's time: scripts/bench_gguf.py
+    # --stages, figures in docs/benchmarks.md)
     x = t if device.type == "cpu" else t.to(device)
     check_finite(st.name, x)
     return x
@@ -426,12 +418,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             # the writer's torch ops on the CPU leave the checker processes their cores. Off
             # the CPU those ops (the copies into the staging areas, and the NaN/Inf checks
             # before they moved to the device) in one thread per core fought eight busy
-            # checkers for the cores: the 554M random llama's Q4_K_M on an H100 box with 16
-            # cores took 3.20-3.58 s with the round trip that way against 2.07-2.65 s leaving
-            # the checkers theirs; with the checks on the device, on a second box of the kind
-            # whose checkers set the pace, 2.95-3.04 s on every core against 3.12-3.49 s
-            # leaving them theirs, no gain there (scripts/bench_gguf.py --model synth4x
-            # --quantize-only --device cuda --windows, two runs each)
+            # checkers for the cores and lost; with the checks on the device leaving them
+            # their cores neither gains nor loses beyond noise (scripts/bench_gguf.py --model
+            # synth4x --quantize-only --device cuda --windows; figures in docs/benchmarks.md)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
         # tensors read, not yet written: (index, the source for the round trip, what is encoded:
         # the source itself on the CPU, else its copy on the device; None when it was encoded

@@ -6,9 +6,8 @@ each a pass over a slice of 2^18 values: the slice's arrays do not stay in the L
 between passes, and smaller slices spend the time saved on each operation's dispatch. Here
 one step (:func:`qkx2_step`) is compiled into a few C++ loops over the sub-blocks, each
 holding a sub-block's values in registers from its levels to its error: the codecs that use
-the search run 2.1-2.5x faster on one thread (Q4_K 114.1 against 51.9 ns per weight, 203.3
-against 87.5 with an importance vector, on a 2-core Intel Xeon; ``scripts/micro_figures.py
---compiled``).
+the search run about twice as fast on one thread (``scripts/micro_figures.py --compiled``;
+the figures are in docs/benchmarks.md, "Compiled K-quant search").
 
 The bits are those of the torch search, hence llama.cpp's (``make_qkx2_quants`` /
 ``make_qkx3_quants``, ``ggml/src/ggml-quants.c`` at 0c1e570, llama-cpp-python 0.3.36):
@@ -26,9 +25,9 @@ The bits are those of the torch search, hence llama.cpp's (``make_qkx2_quants`` 
 
 Used on the CPU once :func:`enable` was called (the GGUF target does for large workloads,
 ``targets.gguf``) or with ``QUANTPRESS_COMPILED_SEARCHES=1``; ``=0`` turns it off. The
-first call compiles (14.1 s in a fresh process, more on a busy machine; the kernels are kept
-in quantpress's cache under ``inductor/``, one directory per instruction set and processor,
-:func:`machine_key`, and a later process loads them in 3.9 s: micro_figures.py --compiled).
+first call compiles (the kernels are kept in quantpress's cache under ``inductor/``, one
+directory per instruction set and processor, :func:`machine_key`, and a later process loads
+them, faster than it compiles them: micro_figures.py --compiled, docs/benchmarks.md).
 A failure to compile (no C++ compiler) turns it off for the process with one warning: the
 eager search gives the same bytes.
 """
@@ -50,10 +49,10 @@ from .common import single_threaded_ops
 #: ggml types whose quantization runs make_qkx2_quants: always, and only with importance weights
 SEARCH_TYPES = frozenset({"Q2_K", "Q4_K", "Q5_K"})
 WEIGHTED_SEARCH_TYPES = frozenset({"Q4_1", "Q5_1"})
-#: weights quantized by those searches from which compiling pays: a process loads the
-#: compiled kernels in about 4 s (compiles them in ~14 s the first time), and they save about
-#: 60 ns per weight of Q4_K on one lane, 115 with an importance vector (micro_figures.py
-#: --compiled): 2^27 weights are about 4 s saved on each of two lanes. SmolLM2's Q4_K_M
+#: weights quantized by those searches from which compiling pays: from about 2^27 weights the
+#: time the kernels save on each of two lanes exceeds the time a process takes to load them
+#: (micro_figures.py --compiled; the load time and the saving per weight are in
+#: docs/benchmarks.md, "Compiled K-quant search"). SmolLM2's Q4_K_M
 #: stays below (tests/test_compiled_searches.py), the 554M random llama's goes above
 #: (``bench_gguf.py --model synth4x``: its "prepare" stage loads the kernels)
 MIN_WEIGHTS = 1 << 27

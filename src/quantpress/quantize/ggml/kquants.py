@@ -89,10 +89,9 @@ def _unpack_scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class _RowSelect:
     """``state = where(take, new, state)`` in place, bit for bit (NaN payloads and the sign
     of zero kept), for float32 ``state``/``new`` [k, S] and bool ``take`` [S]: through the
-    int32 bits, ``state ^= (new ^ state) & -take``. On CPU torch.where takes 27 us per update
-    of the searches' [5, 8192] state, the three bitwise ops 17 us; Q6_K of 2M values 72.8-77.1
-    ms against 76.4-91.1 ms, Q4_K the same within noise (``scripts/micro_figures.py
-    --select``, one thread). Buffers are allocated once per search."""
+    int32 bits, ``state ^= (new ^ state) & -take``. On the CPU the three bitwise ops cost less
+    than torch.where on the searches' [5, 8192] state (``scripts/micro_figures.py --select``;
+    figures in docs/benchmarks.md). Buffers are allocated once per search."""
 
     def __init__(self, state: torch.Tensor, new: torch.Tensor):
         self.state = state.view(torch.int32)
@@ -143,14 +142,14 @@ def _requant_bytes(x: torch.Tensor, xs: torch.Tensor, mj: torch.Tensor | None, d
     and the search's levels ``L`` kept in sub-blocks with ``d_j == 0`` (C skips them).
     ``x`` float32 [nb, 256] (the blocks as the codec got them) and ``xs``, the same values
     positions first [n, S] (S = nb * 256 // n; their extremes per sub-block are quicker to
-    find there: along rows of 16, torch's amin and amax take 0.58 ms per Q6_K slice against
-    0.05, ``scripts/micro_figures.py --levels``); ``mj``,
+    find there: along rows of 16 torch's amin and amax are an order of magnitude slower,
+    ``scripts/micro_figures.py --levels``, docs/benchmarks.md); ``mj``,
     ``dj`` float32 [1, S] per sub-block; ``L`` float32 [n, S] positions first, integers
     lo..hi shifted by -lo.
 
     Elementwise ops, so the values do not depend on the layout; in block order the levels
-    need no transpose back (a Q4_K slice's requantization to bytes 0.27 ms against
-    0.52 positions first, ``scripts/micro_figures.py --levels``), and the bytes come through
+    need no transpose back (about half the time of positions first,
+    ``scripts/micro_figures.py --levels``), and the bytes come through
     int32 (torch 2.13's float32 -> uint8 is three times slower on the CPU).
 
     On the CPU, (x + m_j)/d_j, rounded after each op, is monotonic in x, so when its values
@@ -248,9 +247,8 @@ def make_qx_quants(x: torch.Tensor, nmax: int,
     scale.masked_fill_(suml2 == 0, 0.0)
     torch.mul(scale, sumlx, out=best)
     # the acceptance test on these [S] rows: NumPy's operations on the CPU, on views of the
-    # same memory (on an [8192] row torch's comparison takes 6.2 us, NumPy's 1.2; Q6_K of 2M
-    # values 62.9-67.4 ms against 65.9-72.8, ``scripts/micro_figures.py --numpy-searches``),
-    # torch's elsewhere
+    # same memory (on rows this small NumPy's dispatch is cheaper than torch's:
+    # ``scripts/micro_figures.py --numpy-searches``, docs/benchmarks.md), torch's elsewhere
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     sumlx_, suml2_, t2_, t3_, take_, pos_, this_scale_, this_best_, best_ = map(
         sm.view, (sumlx, suml2, t2, t3, take, pos, this_scale, this_best, best))
@@ -345,10 +343,9 @@ class _NumpyOps:
     GATHERS = True
     cap = staticmethod(np.minimum)
 
-    # (np.clip and np.flatnonzero are Python wrappers: 4.5 and 1.5 us a call on [512], the
-    # size of the descents' later passes, against 2.1 and 0.7 us for these,
-    # ``scripts/micro_figures.py --numpy-searches``; Q3_K's descent calls each ~80 times per
-    # codec slice)
+    # (np.clip and np.flatnonzero are Python wrappers, about twice these ufuncs' cost a call
+    # on [512], the size of the descents' later passes, ``scripts/micro_figures.py
+    # --numpy-searches``; Q3_K's descent calls each ~80 times per codec slice)
     @staticmethod
     def clip(a, lo: int, hi: int):
         return np.minimum(np.maximum(a, lo), hi)
@@ -435,7 +432,7 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
         sumlx, suml2 = _q3_descent(_TorchOps, x, w, wx, L, sumlx, suml2, ~zero, nmax)
     scale = torch.where(suml2 > 0, fdiv(sumlx, suml2), 0.0)
     L.add_(nmax)
-    if bool(zero.any()):                # (a broadcast masked_fill_: ~1 ns per value, --levels)
+    if bool(zero.any()):                # (a broadcast masked_fill_ is cheap: --levels)
         scale.masked_fill_(zero, 0.0)
         L.masked_fill_(zero, 0.0)
     return scale, L
@@ -455,10 +452,10 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
     pass, 836 to a third). On the CPU these are NumPy's operations: the later passes' arrays
     are small, and a pass is 16 positions of ~12 operations on the row, then C's test on the
     few sub-blocks whose level would change (``xp.GATHERS``; torch's path tests whole rows
-    and selects, as a device must without a synchronization). Q3_K of 2M values 45-48 ms
-    against 89-95 ms with torch's operations; the test on whole rows in NumPy 54-58 ms
-    against 46-49 gathered (one thread, ``scripts/micro_figures.py --numpy-searches``); the
-    passes run in :func:`_descent_passes`."""
+    and selects, as a device must without a synchronization). NumPy's descent takes about
+    half the time of torch's operations, and gathering beats testing whole rows (one thread,
+    ``scripts/micro_figures.py --numpy-searches``, figures in docs/benchmarks.md); the passes
+    run in :func:`_descent_passes`."""
     def position(i, cols, La, slx_a, sl2_a, changed, first):
         xi, wi, wxi = (c[i] for c in cols)
         li = La[i]
@@ -471,8 +468,8 @@ def _q3_descent(xp, x, w, wx, L, sumlx, suml2, act, nmax: int):
         new_l = xp.float32(xp.clip(xp.nearest_int(t), -nmax, nmax - 1))
         if xp.GATHERS:
             # C goes on only where slx > 0 and the level changes: a few sub-blocks per
-            # position, so the test runs on those alone, gathered (NumPy's select of an
-            # [8192] row takes 7.1 us, a product 1.4: scripts/micro_figures.py --numpy-searches)
+            # position, so the test runs on those alone, gathered (a select of a whole row
+            # costs several products: scripts/micro_figures.py --numpy-searches)
             k = new_l != li
             k &= slx > 0
             if a is not None:
@@ -664,9 +661,9 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     fit_num, fit_d, fit = R[1:3], R[0], NEW[3:5]
     lt = torch.empty(S, dtype=torch.bool, device=dev)
     # the acceptance test's operations on these [S] rows: NumPy's on the CPU, on views of the
-    # same memory (on an [8192] row torch's comparison takes 6.3 us, NumPy's 1.2, a masked
-    # write 7.4 against 3.6; Q4_K of 2M values 128-140 ms against 132-152,
-    # ``scripts/micro_figures.py --numpy-searches``), torch's elsewhere
+    # same memory (NumPy's comparisons and masked writes cost less per call on rows this
+    # small: ``scripts/micro_figures.py --numpy-searches``, docs/benchmarks.md), torch's
+    # elsewhere
     sm = _NumpyOps if NUMPY_SEARCHES_ON_CPU and dev.type == "cpu" else _TorchOps
     (pos_, take_, lt_, this_min_, this_scale_, alt_, sum_xl_, sum_l2_, fit_d_, cur_,
      best_) = map(sm.view, (pos, take, lt, this_min, this_scale, alt, sum_xl, sum_l2, fit_d, cur, best))
@@ -701,7 +698,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         sm.logical_and(take_, sm.less(cur_, best_, out=lt_), out=take_)
         keep(take)
     L = quant(sel_iscale, sel_shift, la)
-    if dead is None:                    # (a broadcast masked_fill_: ~1 ns per value, --levels)
+    if dead is None:                    # (a broadcast masked_fill_ is cheap: --levels)
         return scale.clone(), mn.neg(), L
     scale = torch.where(degenerate, 0.0, scale)
     the_min = -torch.where(degenerate, mn0, mn)
@@ -722,15 +719,12 @@ def make_qp_quants(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.T
 
     These arrays are small (Q4_K: [8, 2048] per codec slice) and the search and up to 5
     passes over 8 positions of ~35 operations each are mostly the operations' dispatch: on
-    the CPU they run in NumPy (:data:`NUMPY_SEARCHES_ON_CPU`; on an [8192] row a product
-    1.4 us against torch's 2.0, a comparison 1.2 against 6.3): [8, 2048] in 1.09 ms against
-    3.79 ms; with the other NumPy searches, Q4_K of 2M values with an imatrix 216-225 ms
-    against 246-259 (one thread, ``scripts/micro_figures.py --numpy-searches``); elsewhere in
-    torch. Both run :func:`_qp_search`, the same operations in the same order; the descent's
-    passes after the first work only on the groups that changed (:func:`_qp_descent`; before,
-    every pass ran on every group: 1.47 ms in NumPy, 4.08 in torch, the same script at
-    ee7547d), and in NumPy C's test only on the groups whose level would change (1.09 ms
-    against 1.21 testing whole rows).
+    the CPU they run in NumPy (:data:`NUMPY_SEARCHES_ON_CPU`: NumPy's cost per operation on
+    such rows is lower than torch's; ``scripts/micro_figures.py --numpy-searches``, figures in
+    docs/benchmarks.md); elsewhere in torch. Both run :func:`_qp_search`, the same operations
+    in the same order; the descent's passes after the first work only on the groups that
+    changed (:func:`_qp_descent`), and in NumPy C's test only on the groups whose level would
+    change.
     """
     if triton_searches.available(x):      # on a CUDA device: one kernel, the same bits
         with contextlib.suppress(triton_searches.KernelUnavailable):
@@ -909,12 +903,10 @@ def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
 
 #: Q3_K's slices on the CPU are this many times the other codecs' (common.CPU_SLICE_ELEMENTS):
 #: make_q3_quants' descent passes after the first run ~64 positions of NumPy operations on a
-#: few hundred to a few thousand sub-blocks, a cost per slice more than per value. Q3_K of 2M
-#: values on one thread 36.9 ms in slices of 2 x 2^18 against 47.5 in 2^18 and 40.1 in 4 x
-#: 2^18, with an imatrix 75.9 against 83.8 and 84.2 (best of four, ``scripts/micro_figures.py
-#: --q3-slices``); the 554M random llama to Q3_K_M end to end 16.7-16.9 s against 17.1-17.4
-#: (1.08-1.09x llama.cpp against 1.13-1.17x, ``scripts/bench_gguf.py --model synth4x --policy
-#: Q3_K_M``, two runs each, alternating)
+#: few hundred to a few thousand sub-blocks, a cost per slice more than per value. Twice the
+#: slice was the fastest of 1x, 2x and 4x, with and without an imatrix, and end to end on the
+#: 554M random llama's Q3_K_M (``scripts/micro_figures.py --q3-slices``, ``scripts/bench_gguf.py
+#: --model synth4x --policy Q3_K_M``; figures in docs/benchmarks.md)
 Q3_K_SLICE_FACTOR = 2
 
 
@@ -941,8 +933,7 @@ def _q3_hmask(Lb: torch.Tensor) -> torch.Tensor:
     """Q3_K's hmask: uint8 [nb, 256] levels 0..7 -> uint8 [nb, 32] whose byte m holds in bit j
     the high bit (4) of level 32j + m. By uint8 shifts and ORs: on the CPU torch's uint8
     comparison ``Lb > 3`` takes 10x ``Lb >> 2``, and int32 shifts summed over j cost more than
-    these 7 ORs (a 2^19-value slice's hmask 0.29 ms against 0.52, ``scripts/micro_figures.py
-    --levels``)."""
+    these 7 ORs (``scripts/micro_figures.py --levels``, figures in docs/benchmarks.md)."""
     h = (Lb >> 2).reshape(Lb.shape[0], 8, 32)
     hmask = h[:, 0].clone()
     for j in range(1, 8):

@@ -45,11 +45,10 @@ def _first_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The extremes' values are ``amin``/``amax``'s (plain reductions); only where one is a zero
     (whose sign is the first zero's) or not finite is the element itself taken, by
-    argmin/argmax (~65 ns per row on the CPU). On the CPU the per-row tests and those rows'
-    scans are NumPy's (on an [8192] row torch's comparison takes 6.3 us, NumPy's 1.2,
-    ``scripts/micro_figures.py --numpy-searches``): [8192, 32] with ties and zero rows mixed
-    in 0.16 ms against 1.11 by argmin/argmax (``scripts/micro_figures.py --first-extremes``,
-    one thread)."""
+    argmin/argmax (costly per row on the CPU). On the CPU the per-row tests and those rows'
+    scans are NumPy's, whose cost per call on such rows is lower than torch's
+    (``scripts/micro_figures.py --numpy-searches`` and ``--first-extremes``; figures in
+    docs/benchmarks.md)."""
     mn, mx = x.amin(1), x.amax(1)
     if x.device.type == "cpu":
         a, b = mn.numpy(), mx.numpy()       # views: the odd rows are written through them
@@ -139,9 +138,9 @@ def _qh_table(device: torch.device) -> torch.Tensor:
 
 def _unpack_qh(qh: torch.Tensor) -> torch.Tensor:
     """uint8 [nb, 4] -> uint8 [nb, 32] of 0/16: bit j of the u32 -> 16 for element j.
-    (Each byte's row of a 256 x 8 table, gathered with int32 indices: Q5_0's dequantization
-    of 4M values took 10.8-11.4 ms against 16.4-16.8 ms with masks on the bytes and a
-    bool -> uint8 view, ``scripts/micro_figures.py --dequantize`` before and after.)"""
+    (Each byte's row of a 256 x 8 table, gathered with int32 indices: faster than masks on
+    the bytes and a bool -> uint8 view, ``scripts/micro_figures.py --dequantize``; figures in
+    docs/benchmarks.md.)"""
     rows = torch.index_select(_qh_table(qh.device), 0, qh.reshape(-1).to(torch.int32))
     return rows.reshape(qh.shape[0], 32)
 

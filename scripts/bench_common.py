@@ -285,7 +285,8 @@ def measure(cmd: list[str], env: dict | None = None, log: list[str] | None = Non
 class PeakSampler:
     """The peak of one ``/proc/<pid>/status`` field (bytes; default ``RssAnon``, the memory
     the process owns, page cache excluded), sampled every ``period`` seconds on a daemon
-    thread from construction until :meth:`stop` or until the process is gone."""
+    thread from construction until :meth:`stop` or until the process is gone (or a zombie,
+    whose status has no memory fields)."""
 
     def __init__(self, pid: int | str = "self", key: str = "RssAnon", period: float = 0.005,
                  start: bool = True):
@@ -299,14 +300,14 @@ class PeakSampler:
     def _read(self) -> int:
         try:
             return status(self.key, self.pid)
-        except OSError:
+        except (OSError, KeyError):
             return 0
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.peak = max(self.peak, status(self.key, self.pid))
-            except OSError:
+            except (OSError, KeyError):
                 break
             time.sleep(self.period)
 

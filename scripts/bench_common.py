@@ -23,8 +23,9 @@ things are, the models they run on, the reference tools, timing and memory measu
   :func:`timed_produce`, :func:`evaluate_into`, :func:`held_out`, :func:`print_table`.
 
 Importing this module loads only the standard library; quantpress, torch and the tests'
-helpers are imported by the functions that need them (``scripts/gpu_checks.py`` and
-``llmcompressor_ref.py``'s child import it on machines where torch comes later or not at all).
+helpers are imported by the functions that need them, so that ``--help`` is quick and
+``scripts/gpu_checks.py --compare-imatrix`` or a ``python -c`` child pays only for what it
+uses.
 """
 from __future__ import annotations
 

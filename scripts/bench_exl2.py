@@ -151,7 +151,7 @@ def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> Non
     layers = r["details"]["measurement_layers"]
     cols = ("gptq", "search", "forward", "hessian")
     print(f"{'layer':>6} " + " ".join(f"{p:>9}" for p in cols) + "  (seconds; search is part of gptq)")
-    show = sorted({0, 1, len(layers) // 2, len(layers) - 1})
+    show = sorted({0, 1, len(layers) // 2, len(layers) - 1} & set(range(len(layers))))   # --layers 1: one
     for i in show:
         print(f"{i:>6} " + " ".join(f"{layers[i][p]:>9.2f}" for p in cols))
     tot = {p: sum(x[p] for x in layers) for p in cols}

@@ -14,54 +14,37 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
-
 
 
 def main() -> None:
-    from quantpress import assets
-    from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, Source, produce
-    from quantpress.targets.eval import EvalOptions, evaluate
+    from bench_common import (add_calibration_args, add_output_args, evaluate_into, held_out, quality_setup,
+                              timed_produce)
+    from quantpress.targets import AWQOptions
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
-    ap.add_argument("--samples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
+    add_calibration_args(ap, samples=32, seqlen=512)
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 (default: all)")
-    ap.add_argument("--out", default="out/awq-quality", help="where the directories go")
-    ap.add_argument("--device", default="cpu")
+    add_output_args(ap, "out/awq-quality")
     ap.add_argument("--reuse", action="store_true",
                     help="keep output directories that already exist (re-run the evaluation only)")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else assets.smollm2_dir()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    model, out, compute, src = quality_setup(args)
     variants = {"rtn": dict(rtn=True), "awq": {}, "awq --no-clip": dict(clip=False),
                 "awq --no-duo-scaling": dict(duo_scaling=False)}
     dirs, times = {}, {}
-    compute = ComputeOptions(device=args.device)
-    src = Source(model, compute, CalibOptions(samples=args.samples, seqlen=args.seqlen))
     for name, kw in variants.items():
         d = out / f"{name.replace(' --', '-').replace(' ', '')}-g{args.group_size}"
         dirs[name] = d
         if args.reuse and (d / "config.json").is_file():
             times[name] = float("nan")
             continue
-        t0 = time.perf_counter()
-        s = produce(AWQOptions(group_size=args.group_size, **kw), src, d, force=True)
-        times[name] = time.perf_counter() - t0
-        print(s.text(), flush=True)
-    rep = evaluate(model, list(dirs.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
-    (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
+        times[name], _ = timed_produce(AWQOptions(group_size=args.group_size, **kw), src, d)
+    rep = evaluate_into(out, model, list(dirs.values()), args.chunks, compute)
     base = rep.models[0].ppl["ppl"]
     rtn = rep.models[1].ppl["ppl"]
     print()
     print(f"SmolLM2-135M-Instruct, w4 g{args.group_size}, calibration {args.samples} x {args.seqlen} "
-          f"tokens of wiki.utf8 (articles 0-1799); eval: {rep.n_chunks} chunks of {rep.n_ctx} "
-          f"(held-out articles 1800-2348)")
+          f"tokens of wiki.utf8 (articles 0-1799); {held_out(rep)}")
     print()
     print("| model | PPL | ΔPPL | KLD mean | KLD 99% | top-1 | gap to FP16 closed | time |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 """Working memory of each stage of ``quantize batch`` against its ``--dry-run`` estimate.
 
-Runs the batch of a job file in this process under :class:`phase_memory.PhaseWatch` (anonymous
+Runs the batch of a job file in this process under :class:`bench_common.PhaseWatch` (anonymous
 RSS sampled every 5 ms, per runner stage: the peak above the level at the stage's start) and
 prints, beside it, :func:`quantpress.batch.jobfile.estimate`'s figure for the same stage
 (the estimate's stages group the runner's: ``gguf`` = quantize+write, ``calibration pass`` =
@@ -14,12 +14,10 @@ of ``scripts/bench_batch.py``.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from phase_memory import PhaseWatch, libraries_baseline, status  # noqa: E402
+from bench_common import PhaseWatch, libraries_baseline, model_dir, status
 
 #: runner stage -> estimate stage
 SAME = {"quantize+write": "gguf", "reference pass": "calibration pass", "quantization": "EXL2 passes",
@@ -33,7 +31,6 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--chunks", type=int, default=4)
     a = ap.parse_args()
-    from quantpress import assets
     from quantpress.batch.jobfile import estimate, read_jobs
     from quantpress.cli.quantize_main import main as quantize_main
 
@@ -41,7 +38,7 @@ def main() -> None:
     job = Path(a.job) if a.job else work / "jobs.toml"
     if not a.job:
         from bench_batch import job_text
-        job.write_text(job_text(assets.smollm2_dir(), "smollm2", a.samples, a.seqlen, a.chunks))
+        job.write_text(job_text(model_dir(None), "smollm2", a.samples, a.seqlen, a.chunks))
     jobs = read_jobs(job, work / "out")
     est = [estimate(j) for j in jobs]
     base = libraries_baseline(jobs[0].source)

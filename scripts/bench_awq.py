@@ -47,30 +47,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import add_model_arg, cpu_line, model_dir, model_shape, parse_sizes, run_child, truncated_model
 
+#: the child of :func:`_run` (argv: model, samples, seqlen, group size, device, spec JSON, keep)
 CHILD = r"""
 import json, sys
-sys.path.insert(0, sys.argv[1] + "/scripts")
 import tempfile
 from pathlib import Path
-from phase_memory import CPUClock, PhaseWatch, libraries_baseline, status
+from bench_common import CPUClock, PhaseWatch, libraries_baseline, status
 from quantpress.targets import AWQOptions, CalibOptions, ComputeOptions, GPTQOptions, Source, produce
-base_anon = libraries_baseline(sys.argv[2])
+base_anon = libraries_baseline(sys.argv[1])
 print("BASE", json.dumps({"hwm": status("VmHWM"), "anon": base_anon}), flush=True)
-samples, seqlen, gs, device = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-spec, keep = json.loads(sys.argv[7]), sys.argv[8]
+samples, seqlen, gs, device = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+spec, keep = json.loads(sys.argv[6]), sys.argv[7]
 kind, watch = spec.pop("kind", "awq"), spec.pop("watch", True)
 opts = (AWQOptions if kind == "awq" else GPTQOptions)(group_size=gs, **spec)
-src = Source(sys.argv[2], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
+src = Source(sys.argv[1], ComputeOptions(device=device), CalibOptions(samples=samples, seqlen=seqlen),
              progress=False)
 w = PhaseWatch().start() if watch else None
 clock = CPUClock()
@@ -88,50 +83,16 @@ def _run(model: Path, samples: int, seqlen: int, gs: int, device: str, spec: dic
     ``"watch": False`` in ``spec``: no RSS sampling (its 2 ms polling of /proc costs system
     time), only VmHWM."""
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(REPO), str(model), str(samples),
-                          str(seqlen), str(gs), device, json.dumps(spec or {}), keep],
-                         stdout=subprocess.PIPE, text=True, env=env)
-    peak_anon = [0]
-    stop = threading.Event()
-
-    def sample():
-        path = f"/proc/{p.pid}/status"
-        while not stop.is_set():
-            try:
-                for line in open(path):
-                    if line.startswith("RssAnon"):
-                        peak_anon[0] = max(peak_anon[0], int(line.split()[1]) * 1024)
-            except OSError:
-                break
-            time.sleep(0.005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    if (spec or {}).get("watch", True):
-        th.start()
-    base, result = None, None
-    for line in p.stdout:
-        if line.startswith("BASE "):
-            base = json.loads(line[5:])
-        elif line.startswith("RESULT "):
-            result = json.loads(line[7:])
-    p.wait()
-    stop.set()
-    if th.is_alive():
-        th.join()
-    if p.returncode or result is None:
-        raise SystemExit(f"child failed with exit code {p.returncode}")
-    result["base"] = base
-    result["peak_anon"] = peak_anon[0]
-    return result
+    tags, peak_anon = run_child(CHILD, [str(model), str(samples), str(seqlen), str(gs), device,
+                                        json.dumps(spec or {}), keep], env,
+                                sample_anon=(spec or {}).get("watch", True))
+    return {**tags["RESULT"], "base": tags.get("BASE"), "peak_anon": peak_anon}
 
 
 def expected_layer_bytes(model: Path, tokens: int, group_size: int,
                          batch_tokens: int = 4096) -> dict[str, int]:
     """The terms of the layer phase's expected peak (module docstring), from config.json."""
-    cfg = json.loads((model / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hd = cfg.get("head_dim", h // heads)
+    h, f, heads, kv, hd = model_shape(model)
     layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f + 2 * h
     bt = min(tokens, batch_tokens)
     t_clip = tokens // max(1, tokens // 512)
@@ -197,11 +158,8 @@ def vs_llm_compressor(model: Path, sizes: list[tuple[int, int]], gs: int, thread
 
 
 def main() -> None:
-    from phase_memory import cpu_line, truncated_model
-    from quantpress import assets
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("--sizes", default="8x128,16x256", help="calibration rows x seqlen, comma-separated")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--device", default="cpu")
@@ -213,21 +171,19 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true",
                     help="no RSS sampling (its 2 ms polling of /proc adds system time): times only")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else assets.smollm2_dir()
+    model = model_dir(args.model)
     tmp = tempfile.TemporaryDirectory()
     if args.layers:
         model = truncated_model(model, args.layers, tmp.name)
     if args.vs_llm_compressor:
-        sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
-        vs_llm_compressor(model, sizes, args.group_size, args.threads, args.ctx, args.chunks)
+        vs_llm_compressor(model, parse_sizes(args.sizes), args.group_size, args.threads, args.ctx, args.chunks)
         return
     mib = 1 / 2 ** 20
     print(f"model {model.name}, w4 g{args.group_size}, device {args.device}, "
           f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
     print(f"{'calibration':>12} {'total s':>8}  stages (s)")
     rows = []
-    for size in args.sizes.split(","):
-        n, L = (int(v) for v in size.lower().split("x"))
+    for n, L in parse_sizes(args.sizes):
         r = _run(model, n, L, args.group_size, args.device, spec={"watch": not args.no_memory})
         rows.append((n, L, r))
         st = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())

@@ -11,7 +11,7 @@ the two ways. ``--ray`` also runs the batch with ``--ray``
 on a local Ray instance (each stage a Ray task with one CPU: the GGUF policies beside the
 calibrated pass, the EXL2 targets beside each other) and prints its wall time and ratio (its
 peak RSS is not measured: Ray's workers are not this script's children). ``--layers N``:
-the model's first N decoder layers (``phase_memory.truncated_model``), for short runs.
+the model's first N decoder layers (``bench_common.truncated_model``), for short runs.
 
     .venv/bin/python scripts/bench_batch.py --samples 8 --seqlen 256 --chunks 8 [--ray]
 """
@@ -24,12 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_gguf import measure  # noqa: E402  (also puts tests/ on sys.path)
-from make import digests  # noqa: E402
-from phase_memory import truncated_model  # noqa: E402
-from quantpress import assets  # noqa: E402
+from bench_common import digests, measure, model_dir, truncated_model
 
 BIN = Path(sys.executable).parent
 
@@ -62,7 +57,7 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="bench_batch-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = assets.smollm2_dir()
+    model = model_dir(None)
     if a.layers:
         model = truncated_model(model, a.layers, work)
     cal = ["--samples", str(a.samples), "--seqlen", str(a.seqlen), "--device", "cpu", "--quiet"]

@@ -51,40 +51,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-
-
-def _status(key: str) -> int:
-    """A /proc/self/status field in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class AnonPeak:
-    """Samples RssAnon in a thread; ``peak`` is the highest value seen."""
-
-    def __init__(self, every: float = 0.005):
-        self.peak = _status("RssAnon")
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, args=(every,), daemon=True)
-        self._t.start()
-
-    def _run(self, every):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status("RssAnon"))
-            time.sleep(every)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _status("RssAnon"))
-        return self.peak
+from bench_common import PeakSampler, add_model_arg, model_dir, status
 
 
 def _rows(model_dir: Path, rows: int, seqlen: int, seed: int):
@@ -100,15 +70,18 @@ def _rows(model_dir: Path, rows: int, seqlen: int, seed: int):
 
 def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, seed: int,
           trim: bool = False) -> dict:
+    import importlib
+
     import torch
-    import transformers  # noqa: F401  (part of the baseline)
+
+    importlib.import_module("transformers")    # loaded before the baseline is read: part of it
 
     from quantpress.calibration import engine
     from quantpress.calibration.stats import StatsCollector
 
     toks = _rows(model_dir, rows, seqlen, seed)
-    base_rss, base_anon = _status("VmRSS"), _status("RssAnon")
-    peak = AnonPeak()
+    base_rss, base_anon = status("VmRSS"), status("RssAnon")
+    peak = PeakSampler()
     load = 0.0
     if mode == "stream":
         t0 = time.perf_counter()
@@ -138,7 +111,7 @@ def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, s
     anon = peak.stop()
     n_stats = len(col.stats)
     return {"mode": mode, "seconds": secs, "load_seconds": load, "tokens": rows * seqlen,
-            "tokens_per_s": rows * seqlen / secs, "peak_rss": _status("VmHWM"), "peak_anon": anon,
+            "tokens_per_s": rows * seqlen / secs, "peak_rss": status("VmHWM"), "peak_anon": anon,
             "base_rss": base_rss, "base_anon": base_anon, "linears": n_stats,
             "threads": torch.get_num_threads()}
 
@@ -171,7 +144,7 @@ def expected(model_dir: Path, rows: int, seqlen: int, batch_rows: int, bytes_per
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF model directory (default: the cached FP16 SmolLM2-135M)")
+    add_model_arg(ap, help="HF model directory (default: the cached FP16 SmolLM2-135M)")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--batch-rows", type=int, default=8)
@@ -180,12 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=("stream", "plain"), help=argparse.SUPPRESS)
     ap.add_argument("--trim", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.model is None:
-        from quantpress import assets
-        args.model = str(assets.smollm2_dir())
-    model_dir = Path(args.model)
+    model = model_dir(args.model)
     if args.child:
-        print(json.dumps(child(args.child, model_dir, args.rows, args.seqlen, args.batch_rows, args.seed,
+        print(json.dumps(child(args.child, model, args.rows, args.seqlen, args.batch_rows, args.seed,
                                args.trim)))
         return 0
 
@@ -196,15 +166,15 @@ def main(argv=None) -> int:
             ("MALLOC_MMAP_THRESHOLD_=131072", "stream", fixed, False)]
     res = {}
     for label, mode, env, trim in runs:
-        cmd = [sys.executable, __file__, "--child", mode, "--model", str(model_dir), "--rows", str(args.rows),
+        cmd = [sys.executable, __file__, "--child", mode, "--model", str(model), "--rows", str(args.rows),
                "--seqlen", str(args.seqlen), "--batch-rows", str(args.batch_rows), "--seed", str(args.seed)]
         cmd += ["--trim"] if trim else []
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **env}).stdout
         res[(label, mode)] = json.loads(out.strip().splitlines()[-1])
-    exp = expected(model_dir, args.rows, args.seqlen, args.batch_rows)
+    exp = expected(model, args.rows, args.seqlen, args.batch_rows)
     mib = 2 ** 20
     s, p = res[("malloc_trim per layer", "stream")], res[("glibc default", "plain")]
-    print(f"model {model_dir.name}: {args.rows} rows x {args.seqlen} tokens = {s['tokens']:,} tokens, "
+    print(f"model {model.name}: {args.rows} rows x {args.seqlen} tokens = {s['tokens']:,} tokens, "
           f"batches of {args.batch_rows} rows, float32 on CPU, {s['threads']} thread(s)")
     print(f"{'allocator':<30} {'mode':<7} {'pass s':>7} {'tokens/s':>9} {'peak RSS':>9} {'peak anon':>10} "
           f"{'anon above base':>16}  (MiB)")

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from bench_common import use_tests
 
+use_tests()                         # tests/ggml_ref.py: llama.cpp's codecs
 import ggml_ref  # noqa: E402
 from quantpress.quantize import ggml  # noqa: E402
 from quantpress.runtime import bound_heap  # noqa: E402

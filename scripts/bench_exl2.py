@@ -58,21 +58,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench_common import (add_model_arg, best_ms, cpu_line, model_dir, model_shape, run_child, sync,
+                          truncated_model)
 
+#: the child of :func:`_run` (argv: its options as JSON)
 CHILD = r"""
 import json, sys
-sys.path.insert(0, sys.argv[1] + "/scripts")
 from pathlib import Path
-from phase_memory import CPUClock, PhaseWatch, libraries_baseline
+from bench_common import CPUClock, PhaseWatch, libraries_baseline
 from quantpress.targets import (CalibOptions, ComputeOptions, EXL2MeasurementOptions, EXL2Options,
                                 Source, produce)
-args = json.loads(sys.argv[2])
+args = json.loads(sys.argv[1])
 base = libraries_baseline(args["model"])
 src = Source(args["model"], ComputeOptions(device=args["device"]),
              CalibOptions(samples=args["samples"], seqlen=args["seqlen"]), progress=False)
@@ -89,20 +88,15 @@ print("RESULT", json.dumps({**s.to_json(), "base": base, "cpu": cpu, **(w.stop()
 
 
 def _run(model: Path, **kw) -> dict:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(REPO), json.dumps({"model": str(model), **kw})],
-                       stdout=subprocess.PIPE, text=True)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise SystemExit(f"child failed with exit code {p.returncode}")
+    """``produce`` of the measurement (``measure_only=PATH``) or of a target (``bpw``,
+    ``measurement``, ``out``) of ``model`` in a fresh process: its summary, the baseline
+    (``base``), CPU times and, with ``memory=True``, the per-phase peaks."""
+    return run_child(CHILD, [json.dumps({"model": str(model), **kw})])[0]["RESULT"]
 
 
 def expected(model: Path, tokens: int) -> dict[str, int]:
     """The terms of the module docstring, from config.json (bytes)."""
-    cfg = json.loads((model / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hd = cfg.get("head_dim", h // heads)
+    h, f, heads, kv, hd = model_shape(model)
     layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f + 2 * h
     return {"W": layer * 6, "X": (h * h + (heads * hd) ** 2 + h * h + f * f) * 4,
             "H": 3 * tokens * h * 4, "F": min(tokens, 4096) * (4 * f + 4 * h) * 4,
@@ -110,23 +104,18 @@ def expected(model: Path, tokens: int) -> dict[str, int]:
 
 
 def mm_flops_per_second(device: str, n: int = 2048, repeat: int = 5) -> float:
-    """Best-of-``repeat`` rate of ``torch.mm`` on two float32 [n, n] matrices (flop/s)."""
-    import time
-
+    """Best-of-``repeat`` rate of ``torch.mm`` on two float32 [n, n] matrices (flop/s), after
+    one untimed product."""
     import torch
 
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    best = float("inf")
-    for _ in range(repeat + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def mm():
         torch.mm(a, b)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+        sync(device)
+    sync(device)
+    return 2 * n ** 3 / (best_ms(mm, repeat) / 1e3)
 
 
 def measurement_flops(model: Path, samples: int, seqlen: int) -> dict[str, float]:
@@ -135,10 +124,7 @@ def measurement_flops(model: Path, samples: int, seqlen: int) -> dict[str, float
     from quantpress.quantize import exl2 as qexl2
     from quantpress.quantize.gptq import P_GRID
 
-    cfg = json.loads((model / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hd = cfg.get("head_dim", h // heads)
+    h, f, heads, kv, hd = model_shape(model)
     T = samples * seqlen
     shapes = {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h),
               "o_proj": (h, heads * hd), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
@@ -165,7 +151,7 @@ def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> Non
     layers = r["details"]["measurement_layers"]
     cols = ("gptq", "search", "forward", "hessian")
     print(f"{'layer':>6} " + " ".join(f"{p:>9}" for p in cols) + "  (seconds; search is part of gptq)")
-    show = sorted({0, 1, len(layers) // 2, len(layers) - 1})
+    show = sorted({0, 1, len(layers) // 2, len(layers) - 1} & set(range(len(layers))))   # --layers 1: one
     for i in show:
         print(f"{i:>6} " + " ".join(f"{layers[i][p]:>9.2f}" for p in cols))
     tot = {p: sum(x[p] for x in layers) for p in cols}
@@ -186,12 +172,8 @@ def print_measurement_layers(r: dict, flops: dict[str, float], mm: float) -> Non
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from phase_memory import cpu_line, truncated_model
-    from quantpress import assets
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--bpw", default="4.0,5.0", help="two targets, comma-separated")
@@ -202,7 +184,7 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true",
                     help="no RSS sampling (its 2 ms polling of /proc adds system time): times only")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else assets.smollm2_dir()
+    model = model_dir(args.model)
     targets = [] if args.measure_only else [float(v) for v in args.bpw.split(",")]
     mib = 1 / 2 ** 20
     common = dict(samples=args.samples, seqlen=args.seqlen, device=args.device, memory=not args.no_memory)

@@ -70,91 +70,13 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
-import llamacpp_tools  # noqa: E402
-from quantpress import assets  # noqa: E402
+import llamacpp_tools
+from bench_common import (PY, best_step, llama_quantize_code, llamacpp_convert_cmd, measure, named_model,
+                          offline_env, same_tensors, use_tests)
 
-PY = sys.executable
-
-
-def tree_pss_mib(pid: int) -> float:
-    """The summed PSS (MiB) of process ``pid`` and its descendants, from /proc (0 when gone)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            pass
-    return total / 1024
-
-
-def measure(cmd: list[str], env: dict | None = None, log: list[str] | None = None) -> tuple[float, float, float]:
-    """Run ``cmd``; return (wall seconds, peak RSS MiB of that process, peak PSS MiB of its
-    process tree sampled every 0.25 s). With ``log`` (a list), the process's stdout and
-    stderr are appended to it as one string."""
-    with tempfile.TemporaryFile() as err:  # a pipe would fill up and block the child
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if log is None else err, stderr=err)
-        peak, done = [0.0], threading.Event()
-
-        def sample():
-            while not done.wait(0.25):
-                peak[0] = max(peak[0], tree_pss_mib(p.pid))
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        _, status, ru = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-        done.set()
-        sampler.join()
-        err.seek(0)
-        text = err.read().decode(errors="replace")
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"failed: {' '.join(cmd)}\n{text[-2000:]}")
-        if log is not None:
-            log.append(text)
-    return wall, ru.ru_maxrss / 1024, peak[0]
-
-
-def same_tensors(*paths: Path) -> bool:
-    """Whether the GGUF files carry identical tensors (``tests/refs.tensors_of``), read in a
-    process of its own: read here they would grow this process, and a child it forks
-    afterwards starts its peak RSS (``ru_maxrss``, which :func:`measure` reports) at this
-    process's size (a later run's steps of ``--repeat`` reported 701 MiB for llama.cpp's
-    547 and 542 MiB)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from refs import tensors_of; "
-            "t = [tensors_of(p) for p in sys.argv[2:]]; sys.exit(0 if all(x == t[0] for x in t[1:]) else 1)")
-    return subprocess.run([PY, "-c", code, str(REPO / "tests"), *map(str, paths)]).returncode == 0
-
-
-def synth4x(tokenizer: Path | None = None) -> Path:
-    """A random llama with ~554M parameters (4.1x SmolLM2), FP16, cached; its tokenizer files
-    from ``tokenizer`` (default: SmolLM2's directory in the cache)."""
-    out = assets.cache_root() / "models" / "synth-llama-554M"
-    if (out / "config.json").exists():
-        return out
-    import synth
-    import torch
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    synth.make_model(tmp, "llama", tokenizer or assets.smollm2_dir(), dtype=torch.float16, hidden_size=1536,
-                     intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
-                     num_key_value_heads=4, max_shard_size="400MB")
-    tmp.chmod(0o755)
-    tmp.rename(out)
-    return out
+use_tests()                         # tests/refs.py: tensors_of
 
 
 def main() -> int:
@@ -181,24 +103,18 @@ def main() -> int:
     ap.add_argument("--metadata-before", action="store_true",
                     help="also time hf-to-gguf with the metadata computed before the tensors, in its own process")
     args = ap.parse_args()
-    tok = Path(args.tokenizer) if args.tokenizer else None
-    model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: synth4x(tok)}.get(
-        args.model, lambda: Path(args.model))()
+    model = named_model(args.model, args.tokenizer)
     if args.quantize_only:
         return quantize_only(args, model)
-    src = llamacpp_tools.llamacpp_src()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = offline_env()
     nthread = os.cpu_count() or 1
     im = ["--imatrix", str(Path(args.imatrix).resolve())] if args.imatrix else []
-    quant_code = ("import ctypes,sys,llama_cpp as l;p=l.llama_model_quantize_default_params();"
-                  f"p.ftype=l.LLAMA_FTYPE_MOSTLY_{args.policy};p.nthread={nthread};"
-                  "sys.exit(l.llama_model_quantize(sys.argv[1].encode(),sys.argv[2].encode(),ctypes.byref(p)))")
+    quant_code = llama_quantize_code(args.policy, nthread)
 
     def one_run(d: Path) -> dict:
         # the sequence once, in a fresh directory: llama.cpp's two steps, then ours
         ref_f16, ref_q, ours, ours_q = d / "ref-f16.gguf", d / "ref-q.gguf", d / "ours.gguf", d / "ours-q.gguf"
-        r = {"conv": measure([PY, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
-                              "--outfile", str(ref_f16)], env)}
+        r = {"conv": measure(llamacpp_convert_cmd(model, ref_f16), env)}
         if im:
             r["quant"] = measure([str(llamacpp_tools.tool("llama-quantize")), *im, str(ref_f16), str(ref_q),
                                   args.policy, str(nthread)])
@@ -227,17 +143,14 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             runs.append(one_run(Path(d)))
 
-    def best(key: str) -> tuple[float, float, float]:
-        # the shortest wall time of a step over the runs, with the largest peaks
-        return (min(r[key][0] for r in runs), max(r[key][1] for r in runs), max(r[key][2] for r in runs))
-
     def stages_of(key: str, step: str) -> dict:
         # the stages of the run whose step was quickest
         return min(runs, key=lambda r: r[step][0])[key]
 
-    conv, quant, mine, mine_q = best("conv"), best("quant"), best("mine"), best("mine_q")
+    # each step's shortest wall time over the runs, with the largest peaks
+    conv, quant, mine, mine_q = (best_step(runs, k) for k in ("conv", "quant", "mine", "mine_q"))
     stages, stages_q = stages_of("stages", "mine"), stages_of("stages_q", "mine_q")
-    before = best("before") if args.metadata_before else None
+    before = best_step(runs, "before") if args.metadata_before else None
     identical = all(r["identical"] for r in runs)
     size = runs[-1]["size"]
     ref_total = min(r["conv"][0] + r["quant"][0] for r in runs)

@@ -44,15 +44,14 @@ import math
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
-from quantpress.quantize import exl2  # noqa: E402
-from quantpress.quantize.gptq import gptq_quantize_many  # noqa: E402
+import bench_awq
+from bench_common import REPO, add_model_arg, best_of, model_dir, parse_sizes
+from quantpress.quantize import exl2
+from quantpress.quantize.gptq import gptq_quantize_many
 
 #: SmolLM2-135M: name -> (K, N) = (in_features, out_features); 30 decoder layers
 SMOL_LINEARS = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192),
@@ -101,22 +100,6 @@ def module_at(rev: str):
     return mod
 
 
-def timed(fn, repeat: int, device: str):
-    """(best wall seconds, best process CPU seconds over ``repeat`` runs, the last result).
-    On a shared CPU the CPU seconds of these single-threaded runs are the steadier figure."""
-    best, best_cpu, out = math.inf, math.inf, None
-    for _ in range(repeat):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
-    return best, best_cpu, out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--linears", default=",".join(SMOL_LINEARS),
@@ -127,20 +110,13 @@ def main() -> int:
     ap.add_argument("--against", metavar="REV", help="also time gptq_quantize of quantize/gptq.py at this git revision")
     ap.add_argument("--vs-llm-compressor", action="store_true",
                     help="quantize gptq beside llm-compressor 0.14.0.1's GPTQ on SmolLM2 (CPU)")
-    ap.add_argument("--model", help="HF directory for --vs-llm-compressor (default: SmolLM2-135M-Instruct)")
+    add_model_arg(ap, help="HF directory for --vs-llm-compressor (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--sizes", default="16x256", help="calibration rows x seqlen (--vs-llm-compressor)")
     ap.add_argument("--group-size", type=int, default=64)
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_awq
-
     bench_awq.add_side_by_side_args(ap)
     args = ap.parse_args()
     if args.vs_llm_compressor:
-        from quantpress import assets
-
-        model = Path(args.model) if args.model else assets.smollm2_dir()
-        sizes = [tuple(int(v) for v in size.lower().split("x")) for size in args.sizes.split(",")]
-        bench_awq.vs_llm_compressor(model, sizes, args.group_size, args.threads, args.ctx, args.chunks,
+        bench_awq.vs_llm_compressor(model_dir(args.model), parse_sizes(args.sizes), args.group_size, args.threads, args.ctx, args.chunks,
                                     method="gptq")
         return 0
     names = [n.strip() for n in args.linears.split(",") if n.strip()]
@@ -167,15 +143,15 @@ def main() -> int:
         qps = settings(name)
         w, h = inputs(K, N, args.tokens, seed=i, device=args.device)
         t = {}
-        *t["single"], singles = timed(lambda: [gptq_quantize_many(w, h, [qp])[0] for qp in qps],
-                                      args.repeat, args.device)
-        *t["many"], many = timed(lambda: gptq_quantize_many(w, h, qps), args.repeat, args.device)
+        *t["single"], singles = best_of(lambda: [gptq_quantize_many(w, h, [qp])[0] for qp in qps],
+                                        args.repeat, args.device)
+        *t["many"], many = best_of(lambda: gptq_quantize_many(w, h, qps), args.repeat, args.device)
         for a, b in zip(singles, many):
             if not torch.equal(a.weight.view(torch.int16), b.weight.view(torch.int16)):
                 raise SystemExit(f"{name} {a.qparams}: gptq_quantize_many differs from the single-setting call")
         if old:
-            *t[args.against], _ = timed(lambda: [old.gptq_quantize(w, h, qp) for qp in qps],
-                                        args.repeat, args.device)
+            *t[args.against], _ = best_of(lambda: [old.gptq_quantize(w, h, qp) for qp in qps],
+                                          args.repeat, args.device)
         for c in cols:
             tot[c][0] += t[c][0]
             tot[c][1] += t[c][1]

@@ -8,7 +8,7 @@ of tokens, not the same tokens), with as many threads as cores, ``--no-ppl`` (ll
 then computes no logits, as ours never does) on llama.cpp's own F16 conversion
 (``convert_hf_to_gguf.py --outtype f16``, timed apart: llama.cpp's way from a Hugging Face
 directory to an imatrix needs it first). Each step runs in its own process; wall time, peak
-RSS and the peak PSS of its process tree (``bench_gguf.measure``). Prints both, the ratios
+RSS and the peak PSS of its process tree (``bench_common.measure``). Prints both, the ratios
 (ours against llama-imatrix alone and against conversion + llama-imatrix), and the
 importances' agreement (``gpu_checks.compare_imatrix``: the same tensors and counts; their
 values differ, the tokens being others).
@@ -27,15 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bench_gguf  # noqa: E402
-import gpu_checks  # noqa: E402
-import llamacpp_tools  # noqa: E402
-from quantpress import assets  # noqa: E402
-
-PY = sys.executable
+import gpu_checks
+import llamacpp_tools
+from bench_common import PY, best_step, llamacpp_convert_cmd, measure, named_model, offline_env
+from quantpress import assets
 
 
 def main() -> int:
@@ -45,34 +40,26 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512, help="tokens per row (llama-imatrix: -c) (default 512)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N", help="runs, alternating (default 1)")
     args = ap.parse_args()
-    model = {"smollm2": assets.smollm2_dir, "synth4x": lambda: bench_gguf.synth4x(None)}.get(
-        args.model, lambda: Path(args.model))()
+    model = named_model(args.model)
     text = assets.standard_cal_data() / "wiki.utf8"
     nthread = str(os.cpu_count() or 1)
-    src = llamacpp_tools.llamacpp_src()
     tool = llamacpp_tools.tool("llama-imatrix")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = offline_env()
     runs = []
     for _ in range(max(1, args.repeat)):
         with tempfile.TemporaryDirectory() as d:
             d = Path(d)
             f16, theirs, ours = d / "f16.gguf", d / "llama.imatrix.gguf", d / "ours.imatrix.gguf"
-            r = {"conv": bench_gguf.measure([PY, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype",
-                                             "f16", "--outfile", str(f16)], env)}
-            r["theirs"] = bench_gguf.measure([str(tool), "-m", str(f16), "-f", str(text), "-c", str(args.seqlen),
-                                              "--chunks", str(args.samples), "-t", nthread, "--no-ppl",
-                                              "-o", str(theirs)])
-            r["ours"] = bench_gguf.measure([PY, "-m", "quantpress", "quantize", "imatrix", str(model), "-o",
-                                            str(ours), "--samples", str(args.samples), "--seqlen",
-                                            str(args.seqlen), "--quiet"])
+            r = {"conv": measure(llamacpp_convert_cmd(model, f16), env)}
+            r["theirs"] = measure([str(tool), "-m", str(f16), "-f", str(text), "-c", str(args.seqlen),
+                                   "--chunks", str(args.samples), "-t", nthread, "--no-ppl", "-o", str(theirs)])
+            r["ours"] = measure([PY, "-m", "quantpress", "quantize", "imatrix", str(model), "-o", str(ours),
+                                 "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--quiet"])
             c = gpu_checks.compare_imatrix(ours, theirs)
             r["agree"] = c["names_equal"] and c["counts_equal"]
             runs.append(r)
 
-    def best(key: str) -> tuple[float, float, float]:
-        return (min(r[key][0] for r in runs), max(r[key][1] for r in runs), max(r[key][2] for r in runs))
-
-    conv, theirs, ours = best("conv"), best("theirs"), best("ours")
+    conv, theirs, ours = best_step(runs, "conv"), best_step(runs, "theirs"), best_step(runs, "ours")
     print(f"model {model} ({args.samples} x {args.seqlen} tokens, {nthread} threads, best of {len(runs)})")
     print(f"  llama.cpp  convert f16 {conv[0]:6.1f} s {conv[1]:6.0f} MiB RSS | llama-imatrix --no-ppl "
           f"{theirs[0]:6.1f} s {theirs[1]:6.0f} MiB RSS {theirs[2]:6.0f} MiB PSS | total {conv[0] + theirs[0]:6.1f} s")

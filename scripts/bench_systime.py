@@ -5,7 +5,7 @@ it (the ``quantize`` or ``convert`` command in a fresh process), at the default 
 
 A calibrated pass costs the same per decoder layer whatever the depth, so the model is cut to
 its first ``--layers`` decoder layers (config.json's ``num_hidden_layers`` and a
-model.safetensors without the later layers' tensors: ``phase_memory.truncated_model``); the
+model.safetensors without the later layers' tensors: ``bench_common.truncated_model``); the
 per-layer temporaries ([rows, seqlen, hidden] float32: 151 MB for SmolLM2 at 128 x 512, above
 glibc's mmap threshold of 64 MiB that ``quantpress.runtime.bound_heap`` sets) are full size.
 Each verb's times are the child's ``getrusage(RUSAGE_CHILDREN)`` difference: wall, user and
@@ -37,8 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import CPUClock, add_model_arg, model_dir, truncated_model
 
 VERBS = ("imatrix", "gguf", "awq", "gptq", "fp8", "exl2", "eval")
 
@@ -68,8 +67,6 @@ def commands(model: Path, out: Path, samples: int, seqlen: int, verbs: list[str]
 def timed(argv: list[str], env: dict) -> dict:
     """Run ``argv``; its wall, user and system seconds and minor page faults. SystemExit with
     the command's output when it fails."""
-    from phase_memory import CPUClock
-
     clock = CPUClock(resource.RUSAGE_CHILDREN)
     p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode:
@@ -78,11 +75,8 @@ def timed(argv: list[str], env: dict) -> dict:
 
 
 def main() -> None:
-    from phase_memory import truncated_model
-    from quantpress import assets
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("--layers", type=int, default=2, help="decoder layers kept (0: all)")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -95,7 +89,7 @@ def main() -> None:
         raise SystemExit(f"--verbs: unknown {', '.join(bad)}; choose from {', '.join(VERBS)}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else assets.smollm2_dir()
+        model = model_dir(args.model)
         if args.layers:
             model = truncated_model(model, args.layers, tmp)
         out = Path(tmp) / "out"

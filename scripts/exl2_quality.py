@@ -43,7 +43,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench_common import REPO, add_model_arg, model_dir
 
 #: the decoder-layer linear weights of a llama-family GGUF (what EXL2's bpw budgets)
 GGUF_DECODER_LINEARS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
@@ -97,11 +97,10 @@ def gguf_bpw(path: Path, parameters: int) -> dict:
 
 
 def main() -> int:
-    from quantpress import assets
     from quantpress.calibration.exl2_alloc import DEFAULT_OBJECTIVE, OBJECTIVE_MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("--measurement", help="reuse this measurement.json (default: measure once "
                                           "into OUT/measurement.json)")
     ap.add_argument("--targets", default="3.0,4.0,5.0,6.0", help="decoder bpw targets, comma-separated")
@@ -120,7 +119,7 @@ def main() -> int:
                          "with their summary); re-run the evaluation only")
     args = ap.parse_args()
 
-    model = Path(args.model).expanduser() if args.model else assets.smollm2_dir()
+    model = model_dir(args.model)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]

@@ -28,42 +28,32 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
 
 def main() -> None:
-    from quantpress import assets
-    from quantpress.targets import CalibOptions, ComputeOptions, GGUFOptions, ImatrixOptions, Source, produce
-    from quantpress.targets.eval import EvalOptions, evaluate
-    from quality_table import print_table
+    from bench_common import (add_calibration_args, add_output_args, evaluate_into, held_out, print_table,
+                              quality_setup, timed_produce)
+    from quantpress.targets import GGUFOptions, ImatrixOptions, Source, produce
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
-    ap.add_argument("--samples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
+    add_calibration_args(ap, samples=32, seqlen=512)
     ap.add_argument("--policies", nargs="*", default=["Q4_K_M", "Q4_K_S", "IQ4_XS", "IQ4_NL", "Q3_K_M", "Q2_K"])
     ap.add_argument("--native", nargs="*", default=[], metavar="TYPE",
                     help="also files with only ffn_down in TYPE (the rest Q8_0), with and without the imatrix")
     ap.add_argument("--grid", nargs="*", default=[], metavar="TYPE",
                     help="print each TYPE's SNR on one ffn_down tensor and on Gaussian values")
-    ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 (default: all)")
-    ap.add_argument("--out", default="out/gguf-imatrix-quality", help="where the files go")
-    ap.add_argument("--device", default="cpu")
+    add_output_args(ap, "out/gguf-imatrix-quality", what="files")
     ap.add_argument("--against-llamacpp", action="store_true",
                     help="also, per policy with the imatrix: llama.cpp's F16 conversion of the model, "
                          "then llama-quantize --imatrix and quantize gguf --imatrix on it; prints whether "
                          "the two files are identical")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else assets.smollm2_dir()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    compute = ComputeOptions(device=args.device)
+    model, out, compute, src = quality_setup(args)
     if args.grid:
         print_grid(model, args.grid)
-    src = Source(model, compute, CalibOptions(samples=args.samples, seqlen=args.seqlen))
     stem = model.name.lower()           # the files' names: smollm2-135m-instruct-Q4_K_M.gguf, ...
     im = out / f"{stem}.imatrix.gguf"
     t0 = time.perf_counter()
@@ -74,28 +64,22 @@ def main() -> None:
         for with_im in (False, True):
             name = f"{policy} --imatrix" if with_im else policy
             f = out / f"{stem}-{policy}{'-imatrix' if with_im else ''}.gguf"
-            t0 = time.perf_counter()
-            s = produce(GGUFOptions(policy, imatrix=str(im) if with_im else None), Source(model, compute), f,
-                        force=True)
-            times[name], bpw[name], files[name] = time.perf_counter() - t0, s.bpw, f
-            print(s.text(), flush=True)
+            times[name], s = timed_produce(GGUFOptions(policy, imatrix=str(im) if with_im else None),
+                                           Source(model, compute), f)
+            bpw[name], files[name] = s.bpw, f
     for t in args.native:
         for with_im in (False, True):
             name = f"Q8_0, ffn_down {t}" + (" --imatrix" if with_im else "")
             f = out / f"{stem}-ffn_down-{t}{'-imatrix' if with_im else ''}.gguf"
-            t0 = time.perf_counter()
-            s = produce(GGUFOptions("Q8_0", imatrix=str(im) if with_im else None, tensor_type=(f"ffn_down={t}",)),
-                        Source(model, compute), f, force=True)
-            times[name], bpw[name], files[name] = time.perf_counter() - t0, s.bpw, f
-            print(s.text(), flush=True)
+            times[name], s = timed_produce(GGUFOptions("Q8_0", imatrix=str(im) if with_im else None,
+                                                       tensor_type=(f"ffn_down={t}",)), Source(model, compute), f)
+            bpw[name], files[name] = s.bpw, f
     if args.against_llamacpp:
         against_llamacpp(model, im, args.policies, out)
-    rep = evaluate(model, list(files.values()), EvalOptions(ctx=512, chunks=args.chunks), compute)
-    (out / "eval.json").write_text(json.dumps(rep.to_json(), indent=1))
+    rep = evaluate_into(out, model, list(files.values()), args.chunks, compute)
     print()
     print(f"{model.name}, imatrix from {args.samples} x {args.seqlen} tokens of wiki.utf8 "
-          f"(articles 0-1799, {t_im:.0f} s); eval: {rep.n_chunks} chunks of {rep.n_ctx} "
-          f"(held-out articles 1800-2348)")
+          f"(articles 0-1799, {t_im:.0f} s); {held_out(rep)}")
     print()
     print_table(rep, list(files), bpw, times, first="file")
 

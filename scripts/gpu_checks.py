@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import inspect
 import json
 import math
@@ -52,7 +51,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+# digests and sync are part of this module's interface (tests and callers use gpu_checks.X)
+from bench_common import REPO, digests, parse_sizes, sync, tiny_llama  # noqa: F401
 
 # ---- tolerances (what "pass" means per check) -----------------------------------------------
 
@@ -101,30 +101,10 @@ class CheckError(Exception):
 
 # ---- small helpers ----------------------------------------------------------------------------
 
-def sync(device) -> None:
-    """Wait for the queued kernels of ``device`` (a torch.device or name) to finish, so that
-    wall-clock times cover the work; nothing to do on the CPU."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def digests(path: Path) -> dict[str, str]:
-    """SHA-256 (hex) of a file, or of every file below a directory keyed by relative path."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-    return {(f.name if f == path else str(f.relative_to(path))): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in files}
-
-
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"64x256,32x4096"`` -> [(64, 256), (32, 4096)] (rows, columns)."""
-    shapes = []
-    for part in text.split(","):
-        r, c = part.lower().split("x")
-        shapes.append((int(r), int(c)))
-    return shapes
+    """``"64x256,32x4096"`` -> [(64, 256), (32, 4096)] (rows, columns;
+    :func:`bench_common.parse_sizes`)."""
+    return parse_sizes(text)
 
 
 def sample_tensor(rows: int, cols: int, seed: int):
@@ -567,11 +547,9 @@ def find_tokenizer(given: str | None) -> Path:
 
 def build_tiny_model(out: Path, tokenizer_dir: Path, layers: int = 2) -> Path:
     """A random llama with ``layers`` decoder layers (hidden 256, GQA, untied, float16) saved
-    at ``out`` with the tokenizer of ``tokenizer_dir``: ``tests/synth.py``'s ``make_model``."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import synth
-
-    return synth.make_model(out, "llama", tokenizer_dir, num_hidden_layers=layers)
+    at ``out`` with the tokenizer of ``tokenizer_dir``: ``tests/synth.py``'s ``make_model``
+    (:func:`bench_common.tiny_llama`)."""
+    return tiny_llama(out, tokenizer_dir, layers)
 
 
 @contextlib.contextmanager

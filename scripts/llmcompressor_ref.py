@@ -572,9 +572,12 @@ def main(argv: list[str] | None = None) -> None:
         res = _child(json.loads(argv[1]))
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
+    sys.path.insert(0, str(REPO / "src"))
+    from bench_common import add_model_arg, model_dir
+
     ap = argparse.ArgumentParser(description="llm-compressor 0.14.0.1 reference run (smoke test)")
     ap.add_argument("--method", choices=METHODS, default="awq")
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--group-size", type=int, default=64)
@@ -584,10 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--actorder", choices=["static", "none"], help="GPTQ activation ordering")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO / "src"))
-    from quantpress import assets
-
-    model = Path(args.model) if args.model else assets.smollm2_dir()
+    model = model_dir(args.model)
     rows = project_rows(model, args.samples, args.seqlen)
     chunks = project_chunks(model, args.ctx, args.chunks)
     opts = {}

@@ -136,15 +136,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def best_ms(fn, n: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
+from bench_common import alternate, best_ms, model_dir, truncated_model
 
 
 def snr_db(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -354,16 +346,13 @@ def slice_sizes(exponents: list[int], model: Path, rounds: int = 3) -> None:
     code = ("import sys; from quantpress.quantize.ggml import common; "
             "common.CPU_SLICE_ELEMENTS = 1 << int(sys.argv[1]); "
             "from quantpress.cli.convert_main import console; sys.argv = ['convert'] + sys.argv[2:]; console()")
-    times: dict[int, list[float]] = {e: [] for e in exponents}
     with tempfile.TemporaryDirectory() as d:
-        for _ in range(rounds):
-            for e in exponents:
-                out = Path(d) / f"s{e}.gguf"
-                t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-c", code, str(e), "hf-to-gguf", str(model), "--policy", "Q4_K_M",
-                                "-o", str(out), "--quiet", "--force"], check=True, stdout=subprocess.DEVNULL)
-                times[e].append(time.perf_counter() - t0)
-                print(f"{model.name} Q4_K_M, slices of 2^{e}: {times[e][-1]:.2f} s", flush=True)
+        def convert(e: int):
+            return lambda: subprocess.run([sys.executable, "-c", code, str(e), "hf-to-gguf", str(model), "--policy",
+                                           "Q4_K_M", "-o", str(Path(d) / f"s{e}.gguf"), "--quiet", "--force"],
+                                          check=True, stdout=subprocess.DEVNULL)
+        times = alternate({e: convert(e) for e in exponents}, rounds,
+                          after=lambda e, s: print(f"{model.name} Q4_K_M, slices of 2^{e}: {s:.2f} s", flush=True))
         first = Path(d) / f"s{exponents[0]}.gguf"
         same = all(filecmp.cmp(first, Path(d) / f"s{e}.gguf", shallow=False) for e in exponents)
     for e in exponents:
@@ -407,7 +396,6 @@ def reader_parse(gguf: Path | None) -> None:
 
 
 def awq_search(layers: int) -> None:
-    from phase_memory import truncated_model
 
     from quantpress import assets
     from quantpress.calibration import awq as cawq
@@ -896,16 +884,15 @@ def codec_ab(ways: dict, use, codecs, reference: str, width: int, rounds: int = 
     ``ways`` (label -> the value ``use`` installs), alternating, ``rounds`` runs each; print
     each's times and whether its bytes equal those under the ``reference`` way. The first
     way's value is installed again at the end."""
-    took: dict[tuple[str, str], list[float]] = {}
     out: dict[tuple[str, str], bytes] = {}
+
+    def run(way: str, name: str, fn):
+        def call():
+            out[way, name] = fn().numpy().tobytes()
+        return call
     try:
-        for _ in range(rounds):
-            for way, value in ways.items():
-                use(value)
-                for name, fn in codecs:
-                    t = time.perf_counter()
-                    out[way, name] = fn().numpy().tobytes()
-                    took.setdefault((way, name), []).append(time.perf_counter() - t)
+        took = alternate({(way, name): run(way, name, fn) for way in ways for name, fn in codecs}, rounds,
+                         before=lambda key: use(ways[key[0]]))
     finally:
         use(next(iter(ways.values())))
     for (way, name), ts in took.items():
@@ -996,14 +983,14 @@ def round_trip(model: Path) -> None:
         plan = plan_from_hf(model, "Q4_K_M")
         for st in plan.tensors:
             st.load()
-        times: dict[str, list[float]] = {w: [] for w in ways}
-        for _ in range(2):
-            for way, pieces in ways.items():
-                gguf_roundtrip.CHECK_PIECE_ELEMENTS = pieces
-                t0 = time.perf_counter()
-                rep = gguf_roundtrip.verify_gguf(out, plan.tensors, plan.types, torch.device("cpu"))
-                times[way].append(time.perf_counter() - t0)
-                assert rep.ok, rep.mismatches[:3]
+
+        def check():
+            rep = gguf_roundtrip.verify_gguf(out, plan.tensors, plan.types, torch.device("cpu"))
+            assert rep.ok, rep.mismatches[:3]
+
+        def use(way: str):
+            gguf_roundtrip.CHECK_PIECE_ELEMENTS = ways[way]
+        times = alternate({way: check for way in ways}, 2, before=use)
         gguf_roundtrip.CHECK_PIECE_ELEMENTS = piece
     print(f"verify_gguf of {model.name}'s Q4_K_M, one thread:")
     for way, ts in times.items():
@@ -1064,9 +1051,7 @@ def exit_freeze() -> None:
     console command ends it (``cli.common.exit_with``: the run's objects frozen out of the
     garbage collector before ``sys.exit``) and with a plain ``sys.exit`` of the same
     ``main``: wall seconds of the process, from its start to its exit."""
-    from quantpress import assets
-
-    model = assets.smollm2_dir()
+    model = model_dir(None)
     with tempfile.TemporaryDirectory() as d:
         argv = ["hf-to-gguf", str(model), "--policy", "Q4_K_M", "-o", str(Path(d) / "x.gguf"),
                 "--force", "--quiet"]
@@ -1074,12 +1059,9 @@ def exit_freeze() -> None:
                                          f"common.exit_with(convert_main.main({argv!r}))",
                 "plain sys.exit": "import sys; from quantpress.cli import convert_main; "
                                   f"sys.exit(convert_main.main({argv!r}))"}
-        took: dict[str, list[float]] = {k: [] for k in ways}
-        for _ in range(3):
-            for label, code in ways.items():
-                t = time.perf_counter()
-                subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
-                took[label].append(time.perf_counter() - t)
+        took = alternate({label: (lambda code=code: subprocess.run([sys.executable, "-c", code], check=True,
+                                                                   stdout=subprocess.DEVNULL))
+                          for label, code in ways.items()}, 3)
     for label, ts in took.items():
         print(f"convert hf-to-gguf SmolLM2 Q4_K_M, {label:22s} {min(ts):5.2f}-{max(ts):5.2f} s")
 
@@ -1139,7 +1121,6 @@ def main() -> int:
                     help="only what a round-trip check costs per value, by part, with both halves "
                          "in the checker and with the writer's checksums")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.cuda:
         ggml_cuda_chunks()
         return 0

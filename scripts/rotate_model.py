@@ -130,17 +130,17 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quantpress import assets
+    from bench_common import add_model_arg, model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct from the cache)")
+    add_model_arg(ap)
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, help="widen the residual stream to this many channels first")
     ap.add_argument("--heads", type=int, help="attention heads after widening (zero heads added)")
     ap.add_argument("--kv-heads", type=int, help="key/value heads after widening (zero heads added)")
     args = ap.parse_args()
-    src = Path(args.model) if args.model else assets.smollm2_dir()
+    src = model_dir(args.model)
     out = Path(args.output)
     config = json.loads((src / "config.json").read_text())
     if config.get("architectures") != ["LlamaForCausalLM"] or config.get("attention_bias") or config.get("mlp_bias"):

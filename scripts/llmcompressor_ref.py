@@ -428,8 +428,8 @@ def _child(spec: dict) -> dict:
 
     from llmcompressor import oneshot
 
-    rows = torch.load(spec["rows"])
-    chunks = torch.load(spec["chunks"])
+    rows = torch.load(spec["rows"], weights_only=True)
+    chunks = torch.load(spec["chunks"], weights_only=True)
     n, seqlen = rows.shape
     ctx = chunks.shape[1]
     sl = ceval.scored_slice(ctx)

@@ -9,9 +9,9 @@ on the CPU (issue 56 item 9).
 * :func:`tree_sum_` against its order written out as a recursion over float32 scalars, and
   the same bits under one and two threads;
 * the EXL2 scale search (``quantize.gptq.scale_search_error``) against E(p) computed with
-  NumPy from its definition (IEEE float32 steps, the correctly rounded root) on two terms a
-  grid point (one addition, the same in any order): with torch 2.13's own CPU ``sqrt`` (one
-  ulp off for 0.7-17% of inputs, depending on the processor) this fails;
+  NumPy from its definition (IEEE float32 steps, the correctly rounded root, the pairwise
+  order): with torch 2.13's own CPU ``sqrt`` (one ulp off for 0.7-17% of inputs, depending on
+  the processor) or torch.sum this fails;
 * one EXL2 quantization in a child process at each ``ATEN_CPU_CAPABILITY`` this CPU runs,
   and in this process: the same packed bytes.
 """
@@ -139,8 +139,7 @@ def _search_reference(x: np.ndarray, cand: np.ndarray, bits: int, grid: np.ndarr
 def test_scale_search_has_one_defined_result():
     g = torch.Generator().manual_seed(3)
     grid = p_grid()
-    # two terms per E(p): one addition, which any order makes alike (the sum of more terms is
-    # torch.sum's, in an order of its vector width)
+    # two terms per E(p): one addition, which any order makes alike
     bad = 0
     for _ in range(40):
         x = torch.randn(1, 2, generator=g) * torch.rand(2, generator=g).add_(0.05)
@@ -148,7 +147,13 @@ def test_scale_search_has_one_defined_result():
         want = _search_reference(x.numpy(), cand.numpy(), 4, grid.numpy())
         bad += int((scale_search_error(x, cand, 4, grid).numpy().view(np.uint32) != want.view(np.uint32)).sum())
     assert bad == 0, f"E(p) of two terms differs from its definition at {bad} of {40 * 97} grid points"
+    # 768 terms: the order of the sum too
     x = torch.randn(32, 24, generator=g) * torch.rand(24, generator=g).add_(0.05)
+    cand = x.abs().amax(0) / 7.5
+    got = scale_search_error(x, cand, 4, grid)
+    want = _search_reference(x.numpy(), cand.numpy(), 4, grid.numpy())
+    diff = np.flatnonzero(got.numpy().view(np.uint32) != want.view(np.uint32))
+    assert diff.size == 0, f"E(p) differs from its definition at {diff.size} of 97 grid points"
     # find_params' scale codes: round(16·sqrt(base/smax)) with the correctly rounded root
     qs, _, _ = find_params(x, 4)
     base = (x.abs().amax(0) + 1e-12) / 7.5
@@ -189,8 +194,8 @@ def test_exl2_bytes_at_every_capability():
     layer alone would hide it). The Hessian and the block updates are BLAS products, which the
     capability does not select (exact_ops' docstring). With torch's ``addr_`` in place of
     ``sub_outer_`` this fails on an AVX2 machine (it fuses a multiply-add at avx2, not at
-    default). The scale search's torch.sum adds in the same order at default and avx2 (8
-    lanes), not at avx512 (16)."""
+    default); the scale search's sums are pairwise in one order (``tree_sum_``), where
+    torch.sum's order follows the vector width (16 lanes at avx512, 8 below)."""
     runs = {}
     for cap in ("default", "avx2", "avx512"):
         env = dict(os.environ, ATEN_CPU_CAPABILITY=cap, OMP_NUM_THREADS="1")

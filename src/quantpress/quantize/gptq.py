@@ -126,16 +126,14 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
     once, in p-chunks of at most 2^19 elements on CPU, 2^23 on other devices (each E(p) is
     summed whole inside one chunk, so the chunking does not change it).
 
-    Every term |err|^3.5 has one defined value on every machine: the root is correctly
-    rounded (:func:`~quantpress.quantize.exact_ops.defined_sqrt_`; torch 2.13's CPU ``sqrt``
-    is not, how often depending on the processor), the other steps are single IEEE
-    operations per element. The sum is torch.sum's, whose order follows torch's vector width
-    (8 float32 lanes at ``default`` and ``avx2``, 16 at ``avx512``) and the threads.
+    Every E(p) has one defined value on every machine: the root is correctly rounded
+    (:func:`~quantpress.quantize.exact_ops.defined_sqrt_`; torch 2.13's CPU ``sqrt`` is not,
+    how often depending on the processor) and the sum adds in one fixed pairwise order
+    (:func:`~quantpress.quantize.exact_ops.tree_sum_`; torch.sum's order follows the vector
+    width and the threads); the other steps are single IEEE operations per element.
 
-    ``threads``: torch intra-op threads for the elementwise passes on CPU (None: the count in
-    effect); the sums run with the count in effect, so a caller inside
-    :func:`~quantpress.quantize.ggml.common.single_threaded_ops` gets sums that do not depend
-    on the machine's cores while the passes (90% of the time) use them all.
+    ``threads``: torch intra-op threads for the passes on CPU (None: the count in effect);
+    the result does not depend on it.
     """
     if grid is None:
         grid = p_grid(x.device)
@@ -163,7 +161,8 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
             # |err|^3.5 with the correctly rounded root: torch 2.13's CPU sqrt is not, and how
             # often depends on the processor (quantize/exact_ops.py)
             e35.mul_(exact_ops.defined_sqrt_(e))
-        torch.sum(e35, dim=(1, 2), out=out[i:i + m])
+            # E(p) added in one fixed order (torch.sum's follows the vector width and threads)
+            out[i:i + m] = exact_ops.tree_sum_(e35.view(m, rn))
     return out
 
 

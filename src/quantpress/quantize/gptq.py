@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from quantpress.quantize import exact_ops
 from quantpress.quantize.exl2 import Group, QParams, pack
 from quantpress.quantize.ggml.common import all_finite, intra_op_threads, single_threaded_ops
 
@@ -125,10 +126,14 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
     once, in p-chunks of at most 2^19 elements on CPU, 2^23 on other devices (each E(p) is
     summed whole inside one chunk, so the chunking does not change it).
 
-    ``threads``: torch intra-op threads for the elementwise passes on CPU (None: the count in
-    effect); the sums run with the count in effect, so a caller inside
-    :func:`~quantpress.quantize.ggml.common.single_threaded_ops` gets sums that do not depend
-    on the machine's cores while the passes (90% of the time) use them all.
+    Every E(p) has one defined value on every machine: the root is correctly rounded
+    (:func:`~quantpress.quantize.exact_ops.defined_sqrt_`; torch 2.13's CPU ``sqrt`` is not,
+    how often depending on the processor) and the sum adds in one fixed pairwise order
+    (:func:`~quantpress.quantize.exact_ops.tree_sum_`; torch.sum's order follows the vector
+    width and the threads); the other steps are single IEEE operations per element.
+
+    ``threads``: torch intra-op threads for the passes on CPU (None: the count in effect);
+    the result does not depend on it.
     """
     if grid is None:
         grid = p_grid(x.device)
@@ -153,8 +158,11 @@ def scale_search_error(x: torch.Tensor, cand: torch.Tensor, bits: int,
             torch.div(xb, s, out=e)
             e.round_().clamp_(-z, z - 1.0).mul_(s).sub_(xb).abs_()
             torch.pow(e, 3, out=e35)                                  # = e·e·e, bit for bit
-            e35.mul_(e.sqrt_())                                       # |err|^3.5
-        torch.sum(e35, dim=(1, 2), out=out[i:i + m])
+            # |err|^3.5 with the correctly rounded root: torch 2.13's CPU sqrt is not, and how
+            # often depends on the processor (quantize/exact_ops.py)
+            e35.mul_(exact_ops.defined_sqrt_(e))
+            # E(p) added in one fixed order (torch.sum's follows the vector width and threads)
+            out[i:i + m] = exact_ops.tree_sum_(e35.view(m, rn))
     return out
 
 
@@ -178,7 +186,7 @@ def find_params(x: torch.Tensor, bits: int,
     xmax = x.abs().amax(dim=0) + 1e-12
     base = xmax / (maxq / 2)
     smax = base.max()
-    qs = torch.clamp(torch.round(torch.sqrt(base / smax) * 16.0), 1.0, 16.0)
+    qs = torch.clamp(torch.round(exact_ops.defined_sqrt_(base / smax) * 16.0), 1.0, 16.0)
     cand = (qs / 16.0) ** 2 * smax
     grid = p_grid(x.device)
     best = torch.argmin(scale_search_error(x, cand, bits, grid, threads))
@@ -253,7 +261,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | 
       error-updated rows W[a:e] (all rows ≥ a then hold the error of every row before a);
     * for each row c of the block (``quantize_range``): ``q = clamp(rint(W[c]/s) + 2^(b−1),
       0, 2^b−1)``, ``deq = fp16(fp16(q − 2^(b−1))·s)``, ``err = (W[c] − deq)/U[c,c]``,
-      ``W[c+1:be] −= U[c, c+1:be]ᵀ·err`` (be = block end);
+      ``W[c+1:be] −= U[c, c+1:be]ᵀ·err`` (be = block end; each product and difference
+      rounded apart, :func:`~quantpress.quantize.exact_ops.sub_outer_`, the same on every
+      CPU capability and device);
     * after the block, ``W[be:] −= U[a:be, be:]ᵀ·err[a:be]`` (one matmul).
 
     exllamav2 updates the rest of a group row by row and the rows after the group once per
@@ -296,9 +306,9 @@ def gptq_quantize_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFact
     starts there get :func:`find_params` on their own columns (a Python loop over those
     settings only; settings whose groups so far are the same share one call, their columns
     being equal). Every column's arithmetic is that of the single-setting run: the row
-    step is elementwise, and the two BLAS updates (``addr_`` in the block, ``addmm_`` after
-    it) compute each column from that column alone (tests/test_gptq_many.py checks the
-    results are bit-identical to separate runs).
+    step is elementwise, and the two updates (:func:`~quantpress.quantize.exact_ops.sub_outer_`
+    in the block, BLAS ``addmm_`` after it) compute each column from that column alone
+    (tests/test_gptq_many.py checks the results are bit-identical to separate runs).
 
     Memory: about K·S·N·11 bytes (float32 W, float32 block error, fp16 deq, uint8 codes) plus
     the S results. Raises ValueError for an empty list, a group that does not start on a
@@ -375,6 +385,7 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | Non
     udiag = None if U is None else torch.diagonal(U).tolist()   # Python floats: exact, no 0-d ops
     err = torch.empty((BLOCK, SN), dtype=torch.float32, device=dev)
     q = torch.empty(SN, dtype=torch.float32, device=dev)
+    prod = None if rtn else torch.empty(((BLOCK - 1) * SN,), dtype=torch.float32, device=dev)
     zero_scale = False                           # an all-zero group somewhere: 0/0 below
     search = 0.0                                 # seconds in find_params
     # row views made once (indexing is a dispatch per use: the row loop runs K times)
@@ -422,7 +433,9 @@ def _gptq_many(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | Non
             torch.sub(w, dq, out=r)                    # fp16 → float32 is exact
             r.div_(udiag[c])
             if c + 1 < be:
-                W[c + 1:be].addr_(U[c, c + 1:be], r, alpha=-1.0)
+                # product and difference rounded apart on every capability (addr_ fuses them
+                # into one FMA at avx2 and above, not at default: quantize/exact_ops.py)
+                exact_ops.sub_outer_(W[c + 1:be], U[c, c + 1:be], r, prod)
         if be < K:
             W[be:].addmm_(U[a:be, be:].T, err[:be - a], alpha=-1.0)
 

@@ -8,8 +8,9 @@ Reproduces the algorithm of GPTQ (Frantar et al. 2022, reference code ``gptq.py`
 * act-order (``desc_act``): inputs sorted by descending diag(H);
 * damping ``damp·mean(diag H)`` on the diagonal, then ``U = chol_upper(H⁻¹)``;
 * the inputs in blocks of :data:`BLOCK` = 128 (lazy batch): inside a block each input row is
-  quantized, its error divided by U[c, c] and spread over the rest of the block; after the
-  block, the rows after it get the block's error in one matmul;
+  quantized, its error divided by U[c, c] and spread over the rest of the block (each
+  product and difference rounded apart, ``exact_ops.sub_outer_``: the same on every CPU
+  capability); after the block, the rows after it get the block's error in one matmul;
 * group parameters (min-max, per output column) computed when a group starts, from the
   group's current, error-updated weights (every group boundary is made to fall on a block
   start or inside a block whose rows hold all earlier updates, so "current" is exact here,
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpress.quantize import exact_ops
 from quantpress.quantize.ggml.common import all_finite, single_threaded_ops
 
 #: Rows per lazy-batch block (GPTQModel's ``blocksize``).
@@ -232,6 +234,7 @@ def _quantize(weight: torch.Tensor, f: HessianFactor, bits: int, gs: int, sym: b
     bsz = block_rows(gs, K)
     err = torch.empty((bsz, N), dtype=torch.float32, device=dev)
     q = torch.empty(N, dtype=torch.float32, device=dev)
+    prod = torch.empty(((bsz - 1) * N,), dtype=torch.float32, device=dev)
     scale_h = scale = zero = None
     for a in range(0, K, bsz):
         be = min(a + bsz, K)
@@ -253,7 +256,9 @@ def _quantize(weight: torch.Tensor, f: HessianFactor, bits: int, gs: int, sym: b
             torch.sub(w, dq.to(torch.float32), out=r)
             r.div_(udiag[c])
             if c + 1 < be:
-                W[c + 1:be].addr_(U[c, c + 1:be], r, alpha=-1.0)
+                # product and difference rounded apart on every capability (addr_ fuses them
+                # into one FMA at avx2 and above, not at default: quantize/exact_ops.py)
+                exact_ops.sub_outer_(W[c + 1:be], U[c, c + 1:be], r, prod)
         if be < K:
             W[be:].addmm_(U[a:be, be:].T, err[:be - a], alpha=-1.0)
     return _result(codes, deq, scales, zeros, perm, gs, used)

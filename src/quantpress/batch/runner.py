@@ -33,14 +33,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quantpress.batch import manifest as mf
-from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
+from quantpress.batch.jobfile import ModelJob, OutputJob
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import pick_device
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
-
-#: output kinds that are models (evaluated with ``eval = true``)
-MODEL_KINDS = ("gguf", "awq", "gptq", "fp8", "exl2")
-
 
 def model_key(job: ModelJob) -> dict:
     """What every output of a model depends on besides its own options: the source,
@@ -187,6 +183,10 @@ class Stage:
     after: tuple[str, ...] = ()
     needs: tuple[str, str, str] | None = None
     evaluates: tuple[str, ...] | None = None
+    #: what its outputs are made from (:attr:`Target.stream`; ``eval`` for an evaluation)
+    stream: str = "eval"
+    #: the names of the ``--dry-run`` memory figures of the stage (:func:`stage_memory`)
+    memory: tuple[str, ...] = ()
 
     @property
     def is_eval(self) -> bool:
@@ -195,21 +195,32 @@ class Stage:
         return self.name == EVAL or self.evaluates is not None
 
 
-def model_stages(plan: ModelPlan, eval_each: bool = False, exl2_together: bool = False) -> list[Stage]:
+#: the stage of the outputs fed by the shared pass over the reference hidden states
+CALIBRATED = "calibrated"
+#: its ``--dry-run`` memory figure (:func:`~quantpress.batch.jobfile.estimate`)
+CALIBRATION_PASS = "calibration pass"
+
+
+def model_stages(plan: ModelPlan, eval_each: bool = False, together: bool = False) -> list[Stage]:
     """The stages of one planned model, in an order that runs each after what it waits for
     (the order :func:`run_model` uses; Ray runs every stage whose ``after`` are finished at
-    once, :mod:`quantpress.batch.ray_exec`):
+    once, :mod:`quantpress.batch.ray_exec`), from what each output's target declares
+    (:attr:`Target.stream`, :attr:`Target.needs`):
 
-    * ``gguf``: the GGUF policies without an imatrix, from one read of each tensor;
-    * ``calibrated``: the imatrix, the AWQ and FP8 targets and the EXL2 measurement, fed by
-      one streamed pass over the reference hidden states;
-    * ``gptq <target>``: each GPTQ target (its own quantized pass);
-    * ``gguf+imatrix``: the GGUF policies that use the model's imatrix, after ``calibrated``;
-    * ``exl2 <bpw>``: each EXL2 target with the measurement (after ``calibrated``, unless the
-      job gives ``exl2_measurement``); with ``exl2_together`` (a local run) the targets that
-      take the batch's measurement form one stage ``exl2 <bpw>+<bpw>...``, whose passes
-      :meth:`quantpress.targets.exl2.EXL2Target.write_together` runs side by side when the
-      cores and memory allow (Ray runs the separate stages side by side instead);
+    * ``<key>``: per kind made from the checkpoint's tensors (``stream = "tensors"``, e.g. the
+      GGUF policies from one read of each tensor), its outputs that need no other output;
+    * ``calibrated``: every output fed by one streamed pass over the reference hidden states
+      (``stream = "reference"``: the imatrix, the AWQ and FP8 targets, the EXL2 measurement);
+    * ``<key> <target>``: each output with a pass of its own (``stream = "own"``, e.g. GPTQ)
+      of a kind that needs no other output;
+    * then per kind that may need another output: its outputs that do not (a reused file:
+      ``<key> <target>`` each), and those that do after the stage that makes it, taking its
+      path: ``<key>+<provider kind>`` for a tensors kind (``gguf+imatrix``), ``<key>
+      <target>`` each for the others; with ``together`` (a local run) a kind whose
+      :class:`~quantpress.targets.registry.Needs` says ``together`` makes them in one stage
+      ``<key> <target>+<target>...`` (EXL2: its passes side by side,
+      :meth:`quantpress.targets.exl2.EXL2Target.write_together`; Ray runs the separate
+      stages side by side instead);
     * ``eval``: every model output against the source, after all the others.
 
     ``eval_each`` (Ray): also an ``eval <stage>`` stage after each stage that makes model
@@ -217,36 +228,57 @@ def model_stages(plan: ModelPlan, eval_each: bool = False, exl2_together: bool =
     outputs of the early stages are scored while the later ones are made); ``eval`` then
     scores what is left (the kept outputs whose evaluation is missing)."""
     job, make = plan.job, plan.make
-    stages = []
-    gguf = [o for o in make if o.kind == "gguf" and not o.after_imatrix]
-    if gguf:
-        stages.append(Stage("gguf", gguf))
-    calibrated = [o for o in make if o.kind not in ("gguf", "gptq", "exl2")]
-    if calibrated:
-        stages.append(Stage("calibrated", calibrated))
-    stages += [Stage(f"gptq {o.target}", [o]) for o in make if o.kind == "gptq"]
-    weighted = [o for o in make if o.after_imatrix]
-    if weighted:
-        imatrix = next(o.path for o in job.outputs if o.kind == "imatrix")
-        stages.append(Stage("gguf+imatrix", weighted, ("calibrated",), (imatrix, "the imatrix", "imatrix")))
-    measured = []
+    stages: list[Stage] = []
+    kinds: list[type] = []
     for o in make:
-        if o.kind != "exl2":
+        if o.maker not in kinds:
+            kinds.append(o.maker)
+    kinds.sort(key=lambda c: c.job_order)
+
+    def of(cls, waiting):
+        return [o for o in make if o.maker is cls and (o.needs is not None) == waiting]
+
+    def key(cls):
+        return cls.job_key or cls.kind
+
+    for cls in kinds:
+        if cls.stream == "tensors" and of(cls, False):
+            stages.append(Stage(key(cls), of(cls, False), stream="tensors", memory=cls.memory_stages))
+    calibrated = [o for o in make if o.maker.stream == "reference"]
+    if calibrated:
+        stages.append(Stage(CALIBRATED, calibrated, stream="reference", memory=(CALIBRATION_PASS,)))
+    for cls in kinds:
+        if cls.stream == "own" and cls.needs is None:
+            stages += [Stage(f"{key(cls)} {o.target}", [o], stream="own", memory=cls.memory_stages)
+                       for o in of(cls, False)]
+    for cls in kinds:
+        n = cls.needs
+        if n is None:
             continue
-        if o.options.measurement is not None:   # exl2_measurement: reused as given
-            stages.append(Stage(f"exl2 {o.target}", [o]))
+        if cls.stream == "own":
+            stages += [Stage(f"{key(cls)} {o.target}", [o], stream="own", memory=cls.memory_stages)
+                       for o in of(cls, False)]
+        waiting = of(cls, True)
+        if not waiting:
+            continue
+        provider = next(o for o in job.outputs if type(o.options) is n.provider)
+        made_in = next((s.name for s in stages if provider in s.outputs), CALIBRATED)
+        needs = (provider.path, n.what, n.option)
+        if cls.stream == "tensors":
+            groups = [(f"{key(cls)}+{provider.maker.kind}", waiting)]
+        elif together and n.together:
+            groups = [(f"{key(cls)} " + "+".join(o.target for o in waiting), waiting)]
         else:
-            measured.append(o)
-    groups = [measured] if exl2_together and measured else [[o] for o in measured]
-    for g in groups:
-        stages.append(Stage("exl2 " + "+".join(o.target for o in g), g, ("calibrated",),
-                            (MEASUREMENT_FILE, "the EXL2 measurement", "measurement")))
+            groups = [(f"{key(cls)} {o.target}", [o]) for o in waiting]
+        stages += [Stage(name, g, (made_in,), needs, stream=cls.stream, memory=cls.memory_stages)
+                   for name, g in groups]
     if job.eval is not None:
         if eval_each:
             stages += [Stage(f"eval {s.name}", [], (s.name,),
-                             evaluates=tuple(o.path for o in s.outputs if o.kind in MODEL_KINDS))
-                       for s in list(stages) if any(o.kind in MODEL_KINDS for o in s.outputs)]
-        stages.append(Stage(EVAL, [], tuple(s.name for s in stages)))
+                             evaluates=tuple(o.path for o in s.outputs if o.maker.is_model),
+                             memory=("evaluation",))
+                       for s in list(stages) if any(o.maker.is_model for o in s.outputs)]
+        stages.append(Stage(EVAL, [], tuple(s.name for s in stages), memory=("evaluation",)))
     return stages
 
 
@@ -255,15 +287,15 @@ class ModelRun:
     (:func:`run_model`) or as Ray tasks (:func:`quantpress.batch.ray_exec.run_batch_ray`): the
     rows, the manifest (written here only, after every recorded output) and which stages are
     started and finished. Creating it makes the output directory and reports the kept
-    outputs. ``eval_each`` / ``exl2_together``: as :func:`model_stages` (Ray scores each
+    outputs. ``eval_each`` / ``together``: as :func:`model_stages` (Ray scores each
     stage's outputs; a local run makes its EXL2 targets in one stage)."""
 
     def __init__(self, plan: ModelPlan, on_row: Callable[[Row], None] | None = None,
-                 eval_each: bool = False, exl2_together: bool = False):
+                 eval_each: bool = False, together: bool = False):
         self.plan = plan
         self.rows: list[Row] = []
         self.on_row = on_row
-        self.stages = model_stages(plan, eval_each, exl2_together)
+        self.stages = model_stages(plan, eval_each, together)
         self.started: set[str] = set()
         self.finished: set[str] = set()
         self._recorded: set[str] = set()
@@ -356,7 +388,7 @@ class ModelRun:
                 e["eval"] = None
             self.man.doc.pop("eval_options", None)
         return [e["path"] for e in (self.man.entries.get(o.path) for o in job.outputs
-                                    if o.kind in MODEL_KINDS
+                                    if o.maker.is_model
                                     and (stage.evaluates is None or o.path in stage.evaluates))
                 if e is not None and e.get("roundtrip") == "ok" and e.get("eval") is None]
 
@@ -412,25 +444,16 @@ def run_eval(plan: ModelPlan, paths: list[str], progress: bool = False):
 
 
 def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
-    """Working memory of a stage of ``plan`` in bytes (:func:`~quantpress.batch.jobfile.estimate`'s
-    figure for its kind: GGUF, the calibration pass, a GPTQ pass, the EXL2 passes or their head
-    stage, whichever is larger, an evaluation); 0 for a stage the estimate does not know."""
+    """Working memory of a stage of ``plan`` in bytes: the largest of
+    :func:`~quantpress.batch.jobfile.estimate`'s figures the stage names (``Stage.memory``:
+    its kind's own, the calibration pass, the evaluation); 0 for a stage the estimate does
+    not know."""
     from quantpress.batch.jobfile import estimate
 
     est = estimate(plan.job)["stages"]
 
     def of(stage: Stage) -> int:
-        if stage.is_eval:
-            return est.get("evaluation", 0)
-        if stage.name.startswith("gguf"):
-            return est.get("gguf", 0)
-        if stage.name == "calibrated":
-            return est.get("calibration pass", 0)
-        if stage.name.startswith("gptq"):
-            return est.get("GPTQ pass", 0)
-        if stage.name.startswith("exl2"):
-            return max(est.get("EXL2 passes", 0), est.get("EXL2 head", 0))
-        return 0
+        return max((est.get(k, 0) for k in stage.memory), default=0)
     return of
 
 
@@ -444,9 +467,10 @@ def lane_budget() -> int:
 
 def on_side_lane(stage: Stage) -> bool:
     """Whether a local run with two lanes makes ``stage`` in the side lane
-    (:mod:`quantpress.batch.lanes`): the GGUF policies and every evaluation; the calibrated
-    pass, GPTQ and EXL2 passes run in this process."""
-    return stage.is_eval or stage.name.startswith("gguf")
+    (:mod:`quantpress.batch.lanes`): the outputs made from the checkpoint's tensors (the GGUF
+    policies) and every evaluation; the calibrated pass and the passes of the outputs' own
+    (GPTQ, EXL2) run in this process."""
+    return stage.is_eval or stage.stream == "tensors"
 
 
 def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
@@ -456,7 +480,7 @@ def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
     same time (neither waits for the other, directly or not) when the two fit the admission
     budget of :func:`run_model`, and a scoring that waits for every stage of this process's
     lane at twice its memory ("<stage> x2", two outputs at once) when that fits the budget."""
-    stages = model_stages(plan, eval_each=lanes, exl2_together=True)
+    stages = model_stages(plan, eval_each=lanes, together=True)
     mem = stage_memory(plan)
     budget = lane_budget()
     by_name = {st.name: st for st in stages}
@@ -520,15 +544,15 @@ def run_model(plan: ModelPlan, progress: bool = True,
     try:
         source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails
-        run = ModelRun(plan, on_row, exl2_together=True)
+        run = ModelRun(plan, on_row, together=True)
         run.fail_all(e)
         return run.rows
     if side is not None:
-        sides = {on_side_lane(s) for s in model_stages(plan, eval_each=True, exl2_together=True) if not s.is_eval}
+        sides = {on_side_lane(s) for s in model_stages(plan, eval_each=True, together=True) if not s.is_eval}
         if plan.job.eval is not None:
             sides.add(True)
         side = side if sides == {True, False} else None
-    run = ModelRun(plan, on_row, eval_each=side is not None, exl2_together=True)
+    run = ModelRun(plan, on_row, eval_each=side is not None, together=True)
     run.man.computed_on(str(source.device), str(source.dtype).replace("torch.", ""))
     run.man.write()
 
@@ -675,6 +699,45 @@ def run_plans(plans: list[ModelPlan], progress: bool = True,
     return rows
 
 
+def plan_words(p: ModelPlan) -> list[str]:
+    """What each stage kind of ``p`` does, in the ``--dry-run`` plan's words: the kinds made
+    from the tensors (:meth:`Target.describe`), the shared calibration pass and what it feeds
+    (:meth:`Target.feeds`), the kinds with passes of their own, the evaluation."""
+    j = p.job
+    kinds: list[type] = []
+    for o in p.make:
+        if o.maker not in kinds:
+            kinds.append(o.maker)
+    kinds.sort(key=lambda c: c.job_order)
+    words = []
+
+    def describe(cls):
+        for waiting in (False, True):
+            mine = [o.options for o in p.make if o.maker is cls and (o.needs is not None) == waiting]
+            if mine and cls.describe(mine, waiting):
+                words.append(cls.describe(mine, waiting))
+    for cls in kinds:
+        if cls.stream == "tensors":
+            describe(cls)
+    fed = []
+    for o in p.make:
+        if o.maker.stream == "reference":
+            f = o.maker.feeds(o.options)
+            if f and f not in fed:
+                fed.append(f)
+    if fed:
+        words.append(f"one calibration pass ({j.calib.samples} x {j.calib.seqlen} tokens) "
+                     f"feeding {', '.join(fed)}")
+    for cls in kinds:
+        if cls.stream == "own":
+            mine = [o.options for o in p.make if o.maker is cls]
+            if cls.describe(mine):
+                words.append(cls.describe(mine))
+    if j.eval is not None:
+        words.append("evaluation against the source")
+    return words
+
+
 def plan_text(plans: list[ModelPlan]) -> str:
     """The ``--dry-run`` plan: per model, its stages, each output (to make or kept, estimated
     size), the estimated disk and the largest stage's working memory
@@ -685,25 +748,7 @@ def plan_text(plans: list[ModelPlan]) -> str:
     for p in plans:
         j = p.job
         est = estimate(j)
-        kinds = {o.kind for o in p.make}
-        stages = []
-        if "gguf" in kinds:
-            stages.append("GGUF policies from one read of each tensor")
-        if any(o.after_imatrix for o in p.make):
-            stages.append("GGUF policies with the model's imatrix, once it is made")
-        shared = [k for k in ("imatrix", "awq", "measurement") if k in kinds
-                  and not (k == "awq" and all(o.options.rtn for o in p.make if o.kind == "awq"))]
-        if any(o.kind == "fp8" and o.options.scheme == "static" for o in p.make):
-            shared.append("fp8 static input scales")
-        if shared:
-            stages.append(f"one calibration pass ({j.calib.samples} x {j.calib.seqlen} tokens) "
-                          f"feeding {', '.join(shared)}")
-        if "gptq" in kinds:
-            stages.append(f"{sum(o.kind == 'gptq' for o in p.make)} GPTQ pass(es)")
-        if "exl2" in kinds:
-            stages.append(f"{sum(o.kind == 'exl2' for o in p.make)} EXL2 quantization pass(es)")
-        if j.eval is not None:
-            stages.append("evaluation against the source")
+        stages = plan_words(p)
         lines += [f"{j.where}: {j.source} -> {p.dir}/",
                   f"  device {j.compute.device}; stages: {'; '.join(stages) or 'none (all kept)'}"]
         for o in j.outputs:

@@ -399,6 +399,79 @@ class Target(abc.ABC):
     work_key: dict = {}
     log: Callable[[str], None] | None = None
 
+    # ---- the wiring (:mod:`quantpress.targets.registry`): read by cli/ and batch/ ----------
+    #: the command-line verbs that make this kind (:class:`~quantpress.targets.registry.Verb`)
+    verbs: ClassVar[tuple] = ()
+    #: the [[model]] key of job files (None: made only when another output needs it)
+    job_key: ClassVar[str | None] = None
+    #: what the key takes: ``tables`` (a list of option tables) or ``flag`` (true: one output)
+    job_value: ClassVar[str] = "tables"
+    #: order of the kinds in job files, manifests and plans
+    job_order: ClassVar[int] = 100
+    #: what the outputs are made from in a batch: ``tensors`` (the checkpoint's tensors, all
+    #: outputs of the kind together, beside the passes), ``reference`` (the shared pass over
+    #: the reference hidden states) or ``own`` (a pass of each output's own)
+    stream: ClassVar[str] = "own"
+    #: whether the output is a model (scored by a batch's ``eval``)
+    is_model: ClassVar[bool] = True
+    #: the output of the same model this kind may need (:class:`~quantpress.targets.registry.Needs`)
+    needs: ClassVar[Any] = None
+    #: the names of the ``--dry-run`` memory figures of this kind's own stages
+    memory_stages: ClassVar[tuple[str, ...]] = ()
+    #: which runtimes load the output (a batch's model card)
+    runtimes: ClassVar[str] = ""
+    #: libraries besides torch, transformers, safetensors and numpy whose code decides the
+    #: output's bytes (their versions go into a batch's manifest)
+    packages: ClassVar[tuple[str, ...]] = ()
+    #: ``--dry-run``'s words for the kind's own stages (``{n}``: the number of outputs), or for
+    #: a kind of the shared pass what it feeds
+    plan_words: ClassVar[str] = ""
+
+    @classmethod
+    def job_entries(cls, value: Any, where: str, base: Path) -> list[Any]:
+        """The options of this kind's outputs from the value of its job-file key (``where``
+        names the model entry; ``base``: the job file's directory). InputError naming the key."""
+        from quantpress.targets.options import from_table
+
+        if cls.job_value == "flag":
+            if not isinstance(value, bool):
+                raise InputError(f"{where}: {cls.job_key} = {value!r}: expected true or false")
+            return [cls.options_type()] if value else []
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise InputError(f"{where}: {cls.job_key} = {value!r}: expected a list of tables")
+        return [from_table(cls.options_type, t, f"{where}: {cls.job_key}[{i}]") for i, t in enumerate(value)]
+
+    @classmethod
+    def job_target(cls, options: Any) -> str:
+        """What was asked, in words (``Q4_K_M``, ``w4g128``, ``4.0``): the batch table's column."""
+        return getattr(options, "label", cls.kind)
+
+    @classmethod
+    def job_path(cls, name: str, options: Any) -> str:
+        """The output's path in the model's batch directory, ``name`` the model's prefix."""
+        return f"{name}-{cls.job_target(options)}"
+
+    @classmethod
+    def describe(cls, options: list[Any], waiting: bool = False) -> str:
+        """``--dry-run``'s words for the kind's own stages of ``options`` (``waiting``: those
+        that wait for the output they need)."""
+        return cls.plan_words.format(n=len(options))
+
+    @classmethod
+    def feeds(cls, options: Any) -> str | None:
+        """For a kind of the shared pass: what this output's consumer is, in the plan's words
+        (None: it takes nothing from the pass)."""
+        return cls.plan_words or cls.kind
+
+    @classmethod
+    def estimate(cls, info: Any, options: list[Any]) -> Any:
+        """``--dry-run``'s :class:`~quantpress.targets.registry.Estimate` of this kind's
+        outputs ``options`` of one model (``info``: :class:`~quantpress.targets.registry.ModelInfo`).
+        The default: the source's size on disk, no working memory of its own."""
+        from quantpress.targets.registry import Estimate
+
+        return Estimate([2 * info.total for _ in options])
+
     def __init_subclass__(cls, *, kind: str, options: type, output_is_dir: bool = False, **kw):
         super().__init_subclass__(**kw)
         cls.kind, cls.options_type, cls.output_is_dir = kind, options, output_is_dir

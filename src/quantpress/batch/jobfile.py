@@ -180,7 +180,7 @@ def _outputs(e: dict, name: str, where: str, base: Path) -> list[OutputJob]:
 
 def target_for_type(options_type: type) -> type:
     """The target class registered for ``options_type``."""
-    from quantpress.targets.base import TARGETS
+    from quantpress.targets.target import TARGETS
 
     return TARGETS[options_type]
 

@@ -7,7 +7,6 @@ verb and option: docs/commands.md), and:
 """
 from __future__ import annotations
 
-import argparse
 import json
 from typing import NoReturn
 from pathlib import Path
@@ -86,7 +85,9 @@ def _batch(args) -> int:
     if args.ray is not None:
         rows = ray_exec.run_batch_ray(plans, None if args.ray == "local" else args.ray, on_row=on_row)
     else:
-        rows = runner.run_plans(plans, progress=not args.quiet, on_row=on_row)
+        from quantpress.batch import lanes
+
+        rows = runner.run_plans(plans, progress=not args.quiet, on_row=on_row, side_lane=lanes.SideLane)
     if bar is not None:
         bar.close()
     if args.json:

@@ -126,14 +126,14 @@ class Estimate:
 
 def registered() -> list[type]:
     """Every registered target class, in job-file order (``job_order``, then registration)."""
-    from quantpress.targets.base import TARGETS
+    from quantpress.targets.target import TARGETS
 
     return sorted(TARGETS.values(), key=lambda c: c.job_order)
 
 
 def verbs(command: str) -> list[tuple[type, Verb]]:
     """(target class, verb) of every verb of ``command``, in registration order."""
-    from quantpress.targets.base import TARGETS
+    from quantpress.targets.target import TARGETS
 
     return [(cls, v) for cls in TARGETS.values() for v in cls.verbs if v.command == command]
 

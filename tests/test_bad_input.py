@@ -177,3 +177,48 @@ def test_roundtrip_mismatch_fails_command_and_leaves_nothing(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert code == 3 and "round-trip" in err and "differ" in err
     no_output(tmp_path, out)
+
+
+@pytest.mark.parametrize("key, table, bad", [
+    ("awq", "{ group_size = 64, groups = 2 }", "groups"),
+    ("gptq", "{ bits = 4, desc_act = true }", "desc_act"),
+    ("fp8", "{ schema = 'static' }", "schema"),
+    ("exl2", "{ bpw = 4.0, measurement = 'm.json' }", "measurement"),   # per model: exl2_measurement
+    ("gguf", "{ policy = 'Q8_0', imatrix_file = 'x' }", "imatrix_file"),
+])
+def test_job_file_unknown_key_lists_the_declared_keys(tmp_path, tiny_llama_dir, capsys, key, table, bad):
+    """An unknown key of a job-file table names the section, the key and every key the kind's
+    options declare (from the declaration, not a list kept in batch/); exit 2, nothing written."""
+    from quantpress.cli.quantize_main import main as quantize_main
+    from quantpress.targets.options import job_keys
+    from quantpress.targets.registry import registered
+
+    cls = next(c for c in registered() if c.job_key == key)
+    job = tmp_path / "j.toml"
+    job.write_text(f'[[model]]\nsource = "{tiny_llama_dir}"\nname = "m"\n{key} = [{table}]\n')
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out), "--dry-run"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {job}: model[0] (m): {key}[0]: unknown key {bad!r}; known keys: "
+                   f"{', '.join(job_keys(cls.options_type))}"), err
+    assert bad not in job_keys(cls.options_type) and not out.exists()
+
+
+@pytest.mark.parametrize("table, message", [
+    ("awq = [{ group_size = '64' }]", "awq[0]: group_size = '64': expected an integer"),
+    ("gptq = [{ damp = 'little' }]", "gptq[0]: damp = 'little': expected a number"),
+    ("exl2 = [{ bpw = true }]", "exl2[0]: bpw = True: expected a number"),
+    ("gguf = [{ policy = 'Q8_0', tensor_type = 'attn_v=q8_0' }]",
+     "gguf[0]: tensor_type = 'attn_v=q8_0': expected a list of strings"),
+    ("imatrix = 'yes'", "imatrix = 'yes': expected true or false"),
+])
+def test_job_file_type_error_names_key_and_type(tmp_path, tiny_llama_dir, capsys, table, message):
+    from quantpress.cli.quantize_main import main as quantize_main
+
+    job = tmp_path / "j.toml"
+    job.write_text(f'[[model]]\nsource = "{tiny_llama_dir}"\nname = "m"\n{table}\n')
+    out = tmp_path / "out"
+    assert quantize_main(["batch", str(job), "-o", str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {job}: model[0] (m): {message}", err
+    assert not out.exists()

@@ -465,7 +465,7 @@ def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
                   "eval exl2 4.0", "eval exl2 5.0"), None)]
     # a local run makes the EXL2 targets in one stage (their passes side by side)
     local = [(s.name, [o.path for o in s.outputs], s.after, s.needs and s.needs[2])
-             for s in runner.model_stages(plans[0], exl2_together=True)]
+             for s in runner.model_stages(plans[0], together=True)]
     assert local == [*got[0][:2], ("exl2 4.0+5.0", ["tiny-EXL2-4.0bpw", "tiny-EXL2-5.0bpw"], ("calibrated",),
                                    "measurement"),
                      ("eval", [], ("gguf", "calibrated", "exl2 4.0+5.0"), None)]

@@ -162,3 +162,33 @@ def test_calibrated_verb_prints_one_estimate_line(tiny_llama_dir, tmp_path, caps
                                                    "the first took "), lines
     assert quantize_main(base + ["-o", str(tmp_path / "b.gguf"), "--quiet"]) == 0
     assert "estimate:" not in capsys.readouterr().err
+
+
+def test_commands_doc_is_current():
+    """docs/commands.md is what ``python -m quantpress.cli.docs`` prints from the registry:
+    regenerate it when a verb, an option or a job-file key changes."""
+    from pathlib import Path
+
+    from quantpress.cli import docs
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text(encoding="utf-8")
+    assert committed == docs.render(), "docs/commands.md is stale: python -m quantpress.cli.docs > docs/commands.md"
+
+
+def test_cli_and_batch_name_no_output_kind():
+    """cli/ and batch/ take every output kind from the target registry: none of the kinds'
+    names appears in them as a string literal (the grep of issue 56)."""
+    import ast
+    from pathlib import Path
+
+    import quantpress
+    from quantpress.targets.registry import registered
+
+    kinds = {c.kind for c in registered()} | {c.job_key for c in registered() if c.job_key}
+    pkg = Path(quantpress.__file__).resolve().parent
+    found = []
+    for f in sorted([*(pkg / "cli").rglob("*.py"), *(pkg / "batch").rglob("*.py")]):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in kinds:
+                found.append(f"{f.name}:{node.lineno} {node.value!r}")
+    assert not found, found

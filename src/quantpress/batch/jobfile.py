@@ -32,30 +32,44 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from quantpress.errors import InputError
-from quantpress.targets import (AWQOptions, CalibOptions, ComputeOptions, EXL2MeasurementOptions,
-                                EXL2Options, FP8Options, GGUFOptions, GPTQOptions, ImatrixOptions)
+from quantpress.targets import CalibOptions, ComputeOptions
+from quantpress.targets import registry
+from quantpress.targets.base import target_for
 from quantpress.targets.eval import EvalOptions
+from quantpress.targets.options import from_table
 
-#: keys of a [[model]] entry (and of [defaults], but for source and name)
-MODEL_KEYS = ("source", "name", "gguf", "imatrix", "awq", "gptq", "fp8", "exl2", "exl2_measurement",
-              "eval", "device", "dtype", "batch_tokens", "calib")
+#: keys of a [[model]] entry besides the output kinds' (``source`` and ``name`` not in [defaults])
+COMMON_KEYS = ("source", "name")
+TAIL_KEYS = ("eval", "device", "dtype", "batch_tokens", "calib")
 #: keys of the calib table → CalibOptions fields
 CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
-#: file name of the EXL2 measurement shared by a model's EXL2 outputs
-MEASUREMENT_FILE = "measurement.json"
-#: ``GGUFOptions.imatrix`` of a GGUF table with ``imatrix = true``: the model's own imatrix
-#: output, put in when it is finished (as ``--imatrix auto`` of the single verbs)
-BATCH_IMATRIX = "auto"
+
+
+def output_kinds() -> list[type]:
+    """The target classes a job file may name (a ``job_key``), in job-file order."""
+    return [c for c in registry.registered() if c.job_key]
+
+
+def model_keys() -> tuple[str, ...]:
+    """Every key of a [[model]] entry (and of [defaults], but for source and name): source,
+    name, each output kind's key (and the key naming a file it may reuse), then the
+    evaluation, compute and calibration keys."""
+    kinds = []
+    for c in output_kinds():
+        kinds.append(c.job_key)
+        if c.needs is not None and c.needs.reuse_key:
+            kinds.append(c.needs.reuse_key)
+    return (*COMMON_KEYS, *kinds, *TAIL_KEYS)
 
 
 @dataclass(frozen=True)
 class OutputJob:
-    """One output of a model: ``kind`` (gguf, imatrix, measurement, awq, exl2), ``target``
+    """One output of a model: ``kind`` (its target's, :attr:`Target.kind`), ``target``
     (Q4_K_M, w4g128, 4.0, ...), ``path`` relative to the model's output directory and the
     single verb's ``options`` dataclass."""
 
@@ -65,10 +79,16 @@ class OutputJob:
     options: Any
 
     @property
-    def after_imatrix(self) -> bool:
-        """A GGUF output quantized with the model's own imatrix (``imatrix = true`` in its
-        table): made once the imatrix output is finished."""
-        return self.kind == "gguf" and self.options.imatrix == BATCH_IMATRIX
+    def maker(self) -> type:
+        """The target class that makes it."""
+        return target_for(self.options)
+
+    @property
+    def needs(self):
+        """The :class:`~quantpress.targets.registry.Needs` of another output of the model that
+        this output waits for (None: it waits for none)."""
+        n = self.maker.needs
+        return n if n is not None and n.when(self.options) else None
 
 
 @dataclass
@@ -94,52 +114,11 @@ class ModelJob:
 # --------------------------------------------------------------------------------------------
 # Typed tables → options dataclasses
 
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
-          "tuple[str, ...]": (list, tuple)}
-
-
-def _check_type(where: str, key: str, value: Any, annotation: str) -> None:
-    names = [a.strip() for a in str(annotation).split("|")]
-    for n in names:
-        allowed = _TYPES.get(n)
-        if allowed is None:
-            continue
-        if n in ("int", "float") and isinstance(value, bool):
-            continue
-        if isinstance(value, allowed):
-            return
-    want = " or ".join({"int": "an integer", "float": "a number", "bool": "true/false",
-                        "str": "a string", "None": "absent",
-                        "tuple[str, ...]": "a list of strings"}.get(n, n) for n in names)
-    raise InputError(f"{where}: {key} = {value!r}: expected {want}")
-
-
 def build_options(options_type: type, table: Any, where: str, exclude: tuple[str, ...] = ()) -> Any:
-    """``options_type`` (a dataclass) from a TOML table: unknown keys refused (listing the
-    known ones), values type-checked against the fields' annotations, required fields
-    demanded (a TOML array becomes the tuple a ``tuple[...]`` field holds), then ``validate()``;
-    every InputError is prefixed with ``where``."""
-    if not isinstance(table, dict):
-        raise InputError(f"{where}: expected a table {{ key = value, ... }}, got {table!r}")
-    known = [f for f in fields(options_type) if f.name not in exclude]
-    names = [f.name for f in known]
-    unknown = sorted(set(table) - set(names))
-    if unknown:
-        raise InputError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(names)}")
-    table = dict(table)
-    for f in known:
-        if f.name in table:
-            _check_type(where, f.name, table[f.name], f.type)
-            if str(f.type).startswith("tuple[") and isinstance(table[f.name], list):
-                table[f.name] = tuple(table[f.name])
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise InputError(f"{where}: missing key {f.name!r}")
-    opts = options_type(**table)
-    try:
-        opts.validate()
-    except InputError as e:
-        raise InputError(f"{where}: {e}") from None
-    return opts
+    """``options_type`` from a TOML table (:func:`quantpress.targets.options.from_table`:
+    unknown keys refused listing the declared ones, types checked, ``validate()``), every
+    InputError prefixed with ``where``."""
+    return from_table(options_type, table, where, exclude)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,30 +137,63 @@ def _load(path: Path) -> dict:
         raise InputError(f"{path}: not valid TOML: {e}") from None
 
 
-def _list_of(where: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> list:
-    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
-        raise InputError(f"{where}: {key} = {value!r}: expected a list of {what}")
-    return value
-
-
 def _bool(where: str, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{where}: {key} = {value!r}: expected true or false")
     return value
 
 
-def _exl2_label(bpw: float) -> str:
-    return f"{float(bpw)}"
+def _output(cls: type, name: str, options: Any) -> OutputJob:
+    return OutputJob(cls.kind, cls.job_target(options), cls.job_path(name, options), options)
+
+
+def _outputs(e: dict, name: str, where: str, base: Path) -> list[OutputJob]:
+    """The outputs of one entry, from each output kind's key (:meth:`Target.job_entries`),
+    with the outputs they need (:class:`~quantpress.targets.registry.Needs`): the provider's
+    output added when the entry does not ask for it, or the file the entry's reuse key names
+    set to them instead; in job-file order."""
+    chosen: list[tuple[type, Any]] = []
+    for cls in output_kinds():
+        if cls.job_key in e:
+            chosen += [(cls, o) for o in cls.job_entries(e[cls.job_key], where, base)]
+    for cls in output_kinds() + [c for c in registry.registered() if not c.job_key]:
+        n = cls.needs
+        if n is None:
+            continue
+        mine = [(i, o) for i, (c, o) in enumerate(chosen) if c is cls]
+        reuse = e.get(n.reuse_key) if n.reuse_key else None
+        if reuse is not None:
+            if not isinstance(reuse, str) or not mine:
+                raise InputError(f"{where}: {n.reuse_key} = {reuse!r}: expected the path of "
+                                 f"{n.reuse_what}, with {cls.job_key} targets to use it")
+            f = Path(reuse).expanduser()
+            f = f if f.is_absolute() else (base / f).resolve()
+            if not f.is_file():
+                raise InputError(f"{where}: {n.reuse_key} {f}: no such file")
+            for i, o in mine:
+                chosen[i] = (cls, replace(o, **{n.option: str(f)}))
+        elif any(n.when(o) for _, o in mine) and not any(type(o) is n.provider for _, o in chosen):
+            chosen.append((target_for_type(n.provider), n.provider()))
+    chosen.sort(key=lambda co: co[0].job_order)
+    return [_output(c, name, o) for c, o in chosen]
+
+
+def target_for_type(options_type: type) -> type:
+    """The target class registered for ``options_type``."""
+    from quantpress.targets.target import TARGETS
+
+    return TARGETS[options_type]
 
 
 def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
            device: str | None) -> ModelJob:
     where0 = f"{file}: model[{index}]"
+    keys = model_keys()
     if not isinstance(entry, dict):
         raise InputError(f"{where0}: expected a table ([[model]])")
-    unknown = sorted(set(entry) - set(MODEL_KEYS))
+    unknown = sorted(set(entry) - set(keys))
     if unknown:
-        raise InputError(f"{where0}: unknown key {unknown[0]!r}; known keys: {', '.join(MODEL_KEYS)}")
+        raise InputError(f"{where0}: unknown key {unknown[0]!r}; known keys: {', '.join(keys)}")
     if "source" not in entry:
         raise InputError(f"{where0}: missing key 'source' (the Hugging Face model directory)")
     e = {**defaults, **entry}
@@ -214,45 +226,7 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
     if calib.calib is not None and not Path(calib.calib).is_absolute() and (base / calib.calib).exists():
         calib = replace(calib, calib=str((base / calib.calib).resolve()))
 
-    job = ModelJob(index, name, source, compute, calib)
-    out = job.outputs
-    gguf = [_gguf_options(t, f"{where}: gguf[{i}]", base)
-            for i, t in enumerate(_list_of(where, "gguf", e.get("gguf", []), (str, dict),
-                                           "policy names or tables of hf-to-gguf options"))]
-    for o in gguf:
-        out.append(OutputJob("gguf", o.policy, f"{name}-{o.policy}.gguf", o))
-    weighted = any(o.imatrix == BATCH_IMATRIX for o in gguf)
-    if _bool(where, "imatrix", e.get("imatrix", weighted)) or weighted:
-        out.append(OutputJob("imatrix", "imatrix", f"{name}.imatrix.gguf", ImatrixOptions()))
-    for i, t in enumerate(_list_of(where, "awq", e.get("awq", []), dict, "tables")):
-        o = build_options(AWQOptions, t, f"{where}: awq[{i}]")
-        label = o.label + ("-rtn" if o.rtn else "")
-        out.append(OutputJob("awq", label, f"{name}-AWQ-{label}", o))
-    for i, t in enumerate(_list_of(where, "gptq", e.get("gptq", []), dict, "tables")):
-        o = build_options(GPTQOptions, t, f"{where}: gptq[{i}]")
-        label = o.label + ("-rtn" if o.rtn else "")
-        out.append(OutputJob("gptq", label, f"{name}-GPTQ-{label}", o))
-    for i, t in enumerate(_list_of(where, "fp8", e.get("fp8", []), dict, "tables")):
-        o = build_options(FP8Options, t, f"{where}: fp8[{i}]")
-        out.append(OutputJob("fp8", o.scheme, f"{name}-{o.label}", o))
-    exl2 = _list_of(where, "exl2", e.get("exl2", []), dict, "tables")
-    reuse = e.get("exl2_measurement")
-    if reuse is not None:
-        if not isinstance(reuse, str) or not exl2:
-            raise InputError(f"{where}: exl2_measurement = {reuse!r}: expected the path of a "
-                             f"measurement.json, with exl2 targets to use it")
-        reuse = Path(reuse).expanduser()
-        reuse = str(reuse if reuse.is_absolute() else (base / reuse).resolve())
-        if not Path(reuse).is_file():
-            raise InputError(f"{where}: exl2_measurement {reuse}: no such file")
-    elif exl2:
-        out.append(OutputJob("measurement", "exl2", MEASUREMENT_FILE, EXL2MeasurementOptions()))
-    for i, t in enumerate(exl2):
-        o = build_options(EXL2Options, t, f"{where}: exl2[{i}]", exclude=("measurement",))
-        if reuse is not None:
-            o = replace(o, measurement=reuse)
-        label = _exl2_label(o.bpw)
-        out.append(OutputJob("exl2", label, f"{name}-EXL2-{label}bpw", o))
+    job = ModelJob(index, name, source, compute, calib, _outputs(e, name, where, base))
     ev = e.get("eval", False)
     if isinstance(ev, dict):
         job.eval = build_options(EvalOptions, ev, f"{where}: eval")
@@ -260,35 +234,15 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
             job.eval = replace(job.eval, text=str((base / job.eval.text).resolve()))
     elif _bool(where, "eval", ev):
         job.eval = EvalOptions()
-    if not out:
-        raise InputError(f"{where}: no outputs (give gguf, imatrix, awq, gptq, fp8 or exl2)")
+    if not job.outputs:
+        kinds = [c.job_key for c in output_kinds()]
+        raise InputError(f"{where}: no outputs (give {', '.join(kinds[:-1])} or {kinds[-1]})")
     seen: dict[str, int] = {}
-    for o in out:
+    for o in job.outputs:
         if o.path in seen:
             raise InputError(f"{where}: two entries write the same output {name}/{o.path}")
         seen[o.path] = 1
     return job
-
-
-def _gguf_options(item: str | dict, where: str, base: Path) -> GGUFOptions:
-    """One entry of ``gguf``: a policy name, or a table of ``convert hf-to-gguf``'s options
-    where ``imatrix`` is true (the model's own imatrix, :data:`BATCH_IMATRIX`), false, or the
-    path of an imatrix file (relative: to the job file)."""
-    table = {"policy": item} if isinstance(item, str) else dict(item)
-    im = table.get("imatrix")
-    if isinstance(im, bool):
-        if im:
-            table["imatrix"] = BATCH_IMATRIX
-        else:
-            del table["imatrix"]
-    elif isinstance(im, str):
-        f = Path(im).expanduser()
-        f = f if f.is_absolute() else (base / f).resolve()
-        if im == BATCH_IMATRIX or not f.is_file():
-            raise InputError(f"{where}: imatrix = {im!r}: expected true (this model's imatrix) or "
-                             f"the path of an imatrix file")
-        table["imatrix"] = str(f)
-    return build_options(GGUFOptions, table, where)
 
 
 def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None) -> list[ModelJob]:
@@ -311,10 +265,11 @@ def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None)
     defaults = doc.get("defaults", {})
     if not isinstance(defaults, dict):
         raise InputError(f"{path}: defaults must be a table ([defaults])")
-    bad = sorted(set(defaults) - set(MODEL_KEYS) | set(defaults) & {"source", "name"})
+    keys = model_keys()
+    bad = sorted(set(defaults) - set(keys) | set(defaults) & set(COMMON_KEYS))
     if bad:
         raise InputError(f"{path}: [defaults]: key {bad[0]!r} not allowed; known keys: "
-                         f"{', '.join(k for k in MODEL_KEYS if k not in ('source', 'name'))}")
+                         f"{', '.join(k for k in keys if k not in COMMON_KEYS)}")
     models = doc.get("model")
     if not isinstance(models, list) or not models:
         raise InputError(f"{path}: no [[model]] entries")
@@ -329,6 +284,32 @@ def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None)
     return jobs
 
 
+def model_info(job: ModelJob) -> registry.ModelInfo:
+    """The :class:`~quantpress.targets.registry.ModelInfo` of ``job``'s source, from the
+    safetensors headers and config.json (no weight is read)."""
+    from quantpress.calibration.engine import SafetensorsDir
+    from quantpress.convert.gguf_arch import load_hf_config
+    from quantpress.runtime import pick_device
+
+    st = SafetensorsDir(job.source)
+    shapes = {k: tuple(st.shape(k)) for k in st.keys()}
+    st.close()
+    cfg = load_hf_config(job.source)
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    vocab = int(cfg.get("vocab_size") or 0)
+    return registry.ModelInfo(
+        shapes=shapes, numel=numel, cfg=cfg, layers=int(cfg["num_hidden_layers"]), hidden=hidden,
+        ffn=int(cfg.get("intermediate_size") or 4 * hidden), vocab=vocab, heads=heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        layer=4 * sum(numel[k] for k in shapes if ".layers.0." in k),
+        emb=4 * vocab * hidden,
+        linear=sum(numel[k] for k in shapes if ".layers." in k and k.endswith("proj.weight")),
+        total=sum(numel.values()), tokens=job.calib.samples * job.calib.seqlen,
+        device=pick_device(job.compute.device))
+
+
 def estimate(job: ModelJob) -> dict:
     """Rough figures for ``--dry-run``, from the safetensors headers and config.json (no
     weight is read): ``bytes`` on disk per output path, ``disk`` their sum, and the working
@@ -337,108 +318,45 @@ def estimate(job: ModelJob) -> dict:
     (the compute dtype on CPU), with E = vocab × hidden × 4 (the embedding / head), W = one
     decoder layer, X = calibration tokens × hidden × 4, f the MLP width:
 
-    * ``gguf``: the largest tensor in float32, its quantized bytes per policy, and the round
-      trip's float32 chunks (``convert.gguf_roundtrip.VERIFY_CHUNK_ELEMENTS``, four copies);
+    * each output kind's own sizes and stages: :meth:`Target.estimate` (the per-kind figures
+      are documented there);
     * ``calibration pass``: the streaming engine, max(E + X, W + 2X + A) with A one forward
-      batch's temporaries, plus its consumers' working sets, added when
-      :func:`~quantpress.calibration.engine.side_by_side_threads` runs them side by side (this
-      process's threads decide, as they will for the run), else the largest: an AWQ
-      search holds a fake-quantized copy of the layer and its linears' inputs (W + 4X); the
-      EXL2 measurement the layer's four Hessians, and per module (two side by side) one
-      candidate's forward and one batched GPTQ call
-      (``calibration.exl2_measure.GPTQ_BATCH_BYTES``);
-    * ``EXL2 passes`` and ``EXL2 head``: :func:`quantpress.targets.exl2.pass_memory` (6X + 3W
-      per pass; 3.75E per head), times the passes run side by side; ``GPTQ pass``: its layer
-      part, one pass at a time;
+      batch's temporaries, plus the working sets of the consumers the kinds put on it, added
+      when :func:`~quantpress.calibration.engine.side_by_side_threads` runs them side by side
+      (this process's threads decide, as they will for the run), else the largest;
     * ``evaluation``: the larger of its two phases: the forward over all chunks (one layer,
       the chunks' hidden states twice, one batch's temporaries, the base's kept last hidden
       states and cached head) and the logits (both heads, about ten float32 arrays of one
       logits batch, ``targets.eval.LOGITS_BUDGET``, counting its float64 copy as two, and
       both models' kept hidden states)."""
-    from quantpress.calibration.engine import SafetensorsDir, side_by_side_threads
-    from quantpress.calibration.exl2_measure import GPTQ_BATCH_BYTES
-    from quantpress.convert import gguf_arch, gguf_policy
-    from quantpress.convert.gguf_roundtrip import VERIFY_CHUNK_ELEMENTS
-    from quantpress.quantize import ggml
-    from quantpress.runtime import pick_device, rows_per_batch
+    from quantpress.calibration.engine import side_by_side_threads
+    from quantpress.runtime import rows_per_batch
     from quantpress.targets.eval import LOGITS_BUDGET
-    from quantpress.targets.exl2 import pass_memory
 
-    st = SafetensorsDir(job.source)
-    shapes = {k: tuple(st.shape(k)) for k in st.keys()}
-    st.close()
-    cfg = gguf_arch.load_hf_config(job.source)
-    L = int(cfg["num_hidden_layers"])
-    hidden = int(cfg["hidden_size"])
-    ffn = int(cfg.get("intermediate_size") or 4 * hidden)
-    vocab = int(cfg.get("vocab_size") or 0)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    numel = {k: math.prod(s) for k, s in shapes.items()}
-    total = sum(numel.values())
-    layer = 4 * sum(numel[k] for k in shapes if ".layers.0." in k)
-    linear = sum(numel[k] for k in shapes if ".layers." in k and k.endswith("proj.weight"))
-    emb = 4 * vocab * hidden
+    info = model_info(job)
+    hidden, ffn, vocab, layer, emb = info.hidden, info.ffn, info.vocab, info.layer, info.emb
     rows, seqlen = job.calib.samples, job.calib.seqlen
-    tokens = rows * seqlen
+    tokens = info.tokens
     batch = min(rows, rows_per_batch(job.compute.batch_tokens, seqlen)) * seqlen
     acts = 4 * batch * (3 * ffn + 4 * hidden)
 
     sizes: dict[str, int] = {}
     stages: dict[str, int] = {}
     consumers: list[int] = []
-    exl2 = 0
-    gguf_out = 0
+    by_kind: dict[type, list[OutputJob]] = {}
     for o in job.outputs:
-        if o.kind == "gguf":
-            try:
-                arch = gguf_arch.gguf_arch(cfg)
-                names = [(gguf_arch.gguf_tensor_name(k, arch, n_layers=L), s) for k, s in shapes.items()
-                         if not gguf_arch.is_skipped_tensor(k)]
-                params = gguf_policy.ModelParams(
-                    arch=arch, n_layer=L, n_head=heads,
-                    n_head_kv=int(cfg.get("num_key_value_heads") or heads),
-                    n_expert=0, has_output=any(n == "output.weight" for n, _ in names))
-                types = gguf_policy.plan_types(o.options.policy, names, params)
-                row_bytes = {n: math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names}
-                sizes[o.path] = sum(row_bytes.values())
-                gguf_out += max(row_bytes.values())
-            except Exception:  # an estimate only: fall back to F16 size
-                sizes[o.path] = 2 * total
-                gguf_out += 2 * max(numel.values())
-        elif o.kind in ("awq", "gptq"):   # packed codes + a scale and zero point per group
-            g = o.options.group_size if o.options.group_size > 0 else 1 << 30  # -1: per column
-            sizes[o.path] = int(linear * (o.options.bits / 8 + 2.5 / g) + 2 * (total - linear))
-            if o.kind == "gptq":          # its own pass over its quantized stream, like EXL2's
-                stages["GPTQ pass"] = pass_memory(tokens, hidden, layer // 4, 0)[0]
-            elif not o.options.rtn:
-                consumers.append(layer + 16 * tokens * hidden)
-        elif o.kind == "fp8":
-            sizes[o.path] = int(linear + 2 * (total - linear))
-            if o.options.scheme == "static":
-                consumers.append(16 * tokens * hidden)
-        elif o.kind == "exl2":
-            sizes[o.path] = int(linear * o.options.bpw / 8 + 2 * (total - linear))
-            exl2 += 1
-        elif o.kind in ("imatrix", "measurement"):
-            sizes[o.path] = 8 * 7 * hidden * L if o.kind == "imatrix" else 40_000 * L
-            if o.kind == "imatrix":
-                consumers.append(0)
-            else:
-                hess = 4 * (2 * hidden * hidden + (heads * head_dim) ** 2 + ffn * ffn)
-                module = 4 * min(tokens, 4096) * (4 * ffn + 4 * hidden) + GPTQ_BATCH_BYTES
-                consumers.append(layer + hess + 2 * module)
-    device = pick_device(job.compute.device)
-    if gguf_out:
-        stages["gguf"] = 4 * max(numel.values()) + gguf_out + 4 * 4 * VERIFY_CHUNK_ELEMENTS
+        by_kind.setdefault(o.maker, []).append(o)
+    for cls, outs in by_kind.items():
+        est = cls.estimate(info, [o.options for o in outs])
+        sizes.update({o.path: n for o, n in zip(outs, est.sizes)})
+        for k, v in est.stages.items():
+            stages[k] = max(stages.get(k, 0), v)
+        consumers += est.consumers
+    sizes = {o.path: sizes[o.path] for o in job.outputs}
     if consumers:
-        together = side_by_side_threads(device, len(consumers)) > 1
+        together = side_by_side_threads(info.device, len(consumers)) > 1
         stream = max(emb + 4 * tokens * hidden, layer + 8 * tokens * hidden + acts)
         stages["calibration pass"] = stream + (sum(consumers) if together else max(consumers))
-    if exl2:
-        n = side_by_side_threads(device, exl2)
-        layers, head = pass_memory(tokens, hidden, layer // 4, vocab * hidden)
-        stages["EXL2 passes"], stages["EXL2 head"] = n * layers, n * head
     if job.eval is not None:
         ctx = job.eval.ctx
         scored = ctx // 2

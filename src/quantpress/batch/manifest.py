@@ -18,12 +18,6 @@ from quantpress.errors import InputError
 
 MANIFEST = "manifest.json"
 CARD = "README.md"
-#: which runtimes load each kind of output (model card column)
-RUNTIMES = {"gguf": "llama.cpp, Ollama, LM Studio", "awq": "vLLM, transformers (AutoAWQ GEMM)",
-            "gptq": "vLLM (gptq / Marlin), transformers with gptqmodel",
-            "fp8": "vLLM, transformers (compressed-tensors)",
-            "exl2": "ExLlamaV2, TabbyAPI", "imatrix": "llama-quantize --imatrix",
-            "measurement": "exllamav2 convert.py -m, quantize exl2 --measurement"}
 CHUNK = 1 << 22
 
 
@@ -61,10 +55,21 @@ def intact(model_dir: Path, entry: dict) -> bool:
         return False
 
 
+def runtimes(kind: str) -> str:
+    """Which runtimes load an output of ``kind`` (its target's ``runtimes``; "" for a kind
+    no target registers)."""
+    from quantpress.targets.registry import registered
+
+    return next((c.runtimes for c in registered() if c.kind == kind), "")
+
+
 def versions() -> dict[str, str]:
     """Versions of quantpress and the libraries whose code decides the output bytes."""
+    from quantpress.targets.registry import registered
+
     out = {}
-    for pkg in ("quantpress", "torch", "transformers", "safetensors", "gguf", "numpy"):
+    extra = [p for c in registered() for p in c.packages]
+    for pkg in dict.fromkeys(["quantpress", "torch", "transformers", "safetensors", *extra, "numpy"]):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -132,5 +137,5 @@ def model_card(manifest: dict) -> str:
         rt = "ok" if rt == "ok" else f"**{rt}**"
         name = o["path"] + ("/" if o.get("is_dir") else "")
         lines.append(f"| `{name}` | {_size(o.get('bytes'))} | {bpw} | {ppl} | {kld} | {rt} | "
-                     f"{RUNTIMES.get(o['kind'], '')} |")
+                     f"{runtimes(o['kind'])} |")
     return "\n".join(lines) + "\n"

@@ -33,54 +33,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quantpress.batch import manifest as mf
-from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
+from quantpress.batch.jobfile import OutputJob
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import pick_device
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
-
-#: output kinds that are models (evaluated with ``eval = true``)
-MODEL_KINDS = ("gguf", "awq", "gptq", "fp8", "exl2")
-
-
-def model_key(job: ModelJob) -> dict:
-    """What every output of a model depends on besides its own options: the source,
-    compute and calibration options (JSON values)."""
-    return {"source": str(job.source), "compute": options_json(job.compute), "calib": options_json(job.calib)}
-
-
-@dataclass
-class ModelPlan:
-    """What a run of one model will do: ``keep`` (finished outputs of an earlier run, intact),
-    ``make`` (in order) and the earlier manifest (None)."""
-
-    job: ModelJob
-    dir: Path
-    keep: list[OutputJob]
-    make: list[OutputJob]
-    previous: dict | None
-
-
-def plan_model(job: ModelJob, out_root: Path, force: bool = False) -> ModelPlan:
-    """Which outputs of ``job`` are finished (kept) and which are to be made. InputError when an
-    output path exists that no earlier run of this batch made (unless ``force``)."""
-    mdir = Path(out_root) / job.name
-    prev = mf.read_manifest(mdir) if mdir.is_dir() else None
-    same_model = prev is not None and prev.get("job") == model_key(job)
-    by_path = {e.get("path"): e for e in (prev or {}).get("outputs", [])}
-    keep, make = [], []
-    for o in job.outputs:
-        e = by_path.get(o.path)
-        if (same_model and e is not None and e.get("roundtrip") == "ok"
-                and e.get("options") == options_json(o.options) and mf.intact(mdir, e)):
-            keep.append(o)
-            continue
-        p = mdir / o.path
-        if (p.exists() or p.is_symlink()) and e is None and not force:
-            raise InputError(f"{p}: already exists and was not made by this batch "
-                             f"(use --force to overwrite)")
-        make.append(o)
-    return ModelPlan(job, mdir, keep, make, prev)
-
+# the plan of a run (defined in .stages; importable from here as before)
+from quantpress.batch.stages import (CALIBRATED, CALIBRATION_PASS, EVAL, ModelPlan, Stage,  # noqa: F401
+                                     lane_budget, memory_peak, model_key, model_stages, on_side_lane,
+                                     plan_model, plan_text, plan_words, stage_memory, two_lanes)
 
 @dataclass
 class Row:
@@ -164,8 +124,6 @@ class _Manifest:
 
 
 WORK = ".work"
-#: the name of the evaluation stage (:func:`model_stages`)
-EVAL = "eval"
 
 
 def _stderr(message: str) -> None:
@@ -174,96 +132,20 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-@dataclass
-class Stage:
-    """One step of a model's run: the ``outputs`` one :func:`run_stage` call makes together
-    (one :func:`~quantpress.targets.base.produce_many`), the stages it waits for (``after``,
-    by name; a name the plan lacks counts as finished) and what it takes from an earlier
-    output (``needs``: (its path, what it is, the option set to it), e.g. the EXL2
-    measurement as ``measurement``). Evaluation stages (:attr:`is_eval`) have no outputs."""
-
-    name: str
-    outputs: list[OutputJob]
-    after: tuple[str, ...] = ()
-    needs: tuple[str, str, str] | None = None
-    evaluates: tuple[str, ...] | None = None
-
-    @property
-    def is_eval(self) -> bool:
-        """An evaluation stage: :data:`EVAL` (every output still without one) or one that
-        evaluates the outputs of one stage (``evaluates``, their paths)."""
-        return self.name == EVAL or self.evaluates is not None
-
-
-def model_stages(plan: ModelPlan, eval_each: bool = False, exl2_together: bool = False) -> list[Stage]:
-    """The stages of one planned model, in an order that runs each after what it waits for
-    (the order :func:`run_model` uses; Ray runs every stage whose ``after`` are finished at
-    once, :mod:`quantpress.batch.ray_exec`):
-
-    * ``gguf``: the GGUF policies without an imatrix, from one read of each tensor;
-    * ``calibrated``: the imatrix, the AWQ and FP8 targets and the EXL2 measurement, fed by
-      one streamed pass over the reference hidden states;
-    * ``gptq <target>``: each GPTQ target (its own quantized pass);
-    * ``gguf+imatrix``: the GGUF policies that use the model's imatrix, after ``calibrated``;
-    * ``exl2 <bpw>``: each EXL2 target with the measurement (after ``calibrated``, unless the
-      job gives ``exl2_measurement``); with ``exl2_together`` (a local run) the targets that
-      take the batch's measurement form one stage ``exl2 <bpw>+<bpw>...``, whose passes
-      :meth:`quantpress.targets.exl2.EXL2Target.write_together` runs side by side when the
-      cores and memory allow (Ray runs the separate stages side by side instead);
-    * ``eval``: every model output against the source, after all the others.
-
-    ``eval_each`` (Ray): also an ``eval <stage>`` stage after each stage that makes model
-    outputs, evaluating those (each such task scores the source again: on a cluster the
-    outputs of the early stages are scored while the later ones are made); ``eval`` then
-    scores what is left (the kept outputs whose evaluation is missing)."""
-    job, make = plan.job, plan.make
-    stages = []
-    gguf = [o for o in make if o.kind == "gguf" and not o.after_imatrix]
-    if gguf:
-        stages.append(Stage("gguf", gguf))
-    calibrated = [o for o in make if o.kind not in ("gguf", "gptq", "exl2")]
-    if calibrated:
-        stages.append(Stage("calibrated", calibrated))
-    stages += [Stage(f"gptq {o.target}", [o]) for o in make if o.kind == "gptq"]
-    weighted = [o for o in make if o.after_imatrix]
-    if weighted:
-        imatrix = next(o.path for o in job.outputs if o.kind == "imatrix")
-        stages.append(Stage("gguf+imatrix", weighted, ("calibrated",), (imatrix, "the imatrix", "imatrix")))
-    measured = []
-    for o in make:
-        if o.kind != "exl2":
-            continue
-        if o.options.measurement is not None:   # exl2_measurement: reused as given
-            stages.append(Stage(f"exl2 {o.target}", [o]))
-        else:
-            measured.append(o)
-    groups = [measured] if exl2_together and measured else [[o] for o in measured]
-    for g in groups:
-        stages.append(Stage("exl2 " + "+".join(o.target for o in g), g, ("calibrated",),
-                            (MEASUREMENT_FILE, "the EXL2 measurement", "measurement")))
-    if job.eval is not None:
-        if eval_each:
-            stages += [Stage(f"eval {s.name}", [], (s.name,),
-                             evaluates=tuple(o.path for o in s.outputs if o.kind in MODEL_KINDS))
-                       for s in list(stages) if any(o.kind in MODEL_KINDS for o in s.outputs)]
-        stages.append(Stage(EVAL, [], tuple(s.name for s in stages)))
-    return stages
-
-
 class ModelRun:
     """What the process that owns a model's manifest knows while its stages run, locally
     (:func:`run_model`) or as Ray tasks (:func:`quantpress.batch.ray_exec.run_batch_ray`): the
     rows, the manifest (written here only, after every recorded output) and which stages are
     started and finished. Creating it makes the output directory and reports the kept
-    outputs. ``eval_each`` / ``exl2_together``: as :func:`model_stages` (Ray scores each
+    outputs. ``eval_each`` / ``together``: as :func:`model_stages` (Ray scores each
     stage's outputs; a local run makes its EXL2 targets in one stage)."""
 
     def __init__(self, plan: ModelPlan, on_row: Callable[[Row], None] | None = None,
-                 eval_each: bool = False, exl2_together: bool = False):
+                 eval_each: bool = False, together: bool = False):
         self.plan = plan
         self.rows: list[Row] = []
         self.on_row = on_row
-        self.stages = model_stages(plan, eval_each, exl2_together)
+        self.stages = model_stages(plan, eval_each, together)
         self.started: set[str] = set()
         self.finished: set[str] = set()
         self._recorded: set[str] = set()
@@ -356,7 +238,7 @@ class ModelRun:
                 e["eval"] = None
             self.man.doc.pop("eval_options", None)
         return [e["path"] for e in (self.man.entries.get(o.path) for o in job.outputs
-                                    if o.kind in MODEL_KINDS
+                                    if o.maker.is_model
                                     and (stage.evaluates is None or o.path in stage.evaluates))
                 if e is not None and e.get("roundtrip") == "ok" and e.get("eval") is None]
 
@@ -411,88 +293,6 @@ def run_eval(plan: ModelPlan, paths: list[str], progress: bool = False):
     return evaluate(job.source, [plan.dir / p for p in paths], job.eval, job.compute, progress=progress)
 
 
-def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
-    """Working memory of a stage of ``plan`` in bytes (:func:`~quantpress.batch.jobfile.estimate`'s
-    figure for its kind: GGUF, the calibration pass, a GPTQ pass, the EXL2 passes or their head
-    stage, whichever is larger, an evaluation); 0 for a stage the estimate does not know."""
-    from quantpress.batch.jobfile import estimate
-
-    est = estimate(plan.job)["stages"]
-
-    def of(stage: Stage) -> int:
-        if stage.is_eval:
-            return est.get("evaluation", 0)
-        if stage.name.startswith("gguf"):
-            return est.get("gguf", 0)
-        if stage.name == "calibrated":
-            return est.get("calibration pass", 0)
-        if stage.name.startswith("gptq"):
-            return est.get("GPTQ pass", 0)
-        if stage.name.startswith("exl2"):
-            return max(est.get("EXL2 passes", 0), est.get("EXL2 head", 0))
-        return 0
-    return of
-
-
-def lane_budget() -> int:
-    """Bytes of working memory the stages running at once in a local run may take together:
-    half of MemAvailable now (unbounded where /proc does not tell)."""
-    from quantpress.runtime import available_memory
-
-    return (available_memory() or 1 << 62) // 2
-
-
-def on_side_lane(stage: Stage) -> bool:
-    """Whether a local run with two lanes makes ``stage`` in the side lane
-    (:mod:`quantpress.batch.lanes`): the GGUF policies and every evaluation; the calibrated
-    pass, GPTQ and EXL2 passes run in this process."""
-    return stage.is_eval or stage.name.startswith("gguf")
-
-
-def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
-    """The largest estimated working memory (:func:`stage_memory`) of ``plan``'s stages running
-    at once in a local run, and those stages' names: one stage at a time without ``lanes``; with
-    them, each stage of one lane beside the largest stage of the other lane that may run at the
-    same time (neither waits for the other, directly or not) when the two fit the admission
-    budget of :func:`run_model`, and a scoring that waits for every stage of this process's
-    lane at twice its memory ("<stage> x2", two outputs at once) when that fits the budget."""
-    stages = model_stages(plan, eval_each=lanes, exl2_together=True)
-    mem = stage_memory(plan)
-    budget = lane_budget()
-    by_name = {st.name: st for st in stages}
-    before: dict[str, set[str]] = {}
-    for st in stages:   # in order: what a stage waits for comes first
-        before[st.name] = set()
-        for a in st.after:
-            if a in by_name:
-                before[st.name] |= {a} | before[a]
-    best: tuple[int, list[str]] = (0, [])
-    main = {st.name for st in stages if not on_side_lane(st)}
-    for st in stages:
-        group, total = [st.name], mem(st)
-        if lanes and st.is_eval and main <= before[st.name] and 2 * total <= budget:
-            group, total = [f"{st.name} x2"], 2 * total    # the last scoring: two outputs at once
-        beside = [t for t in stages if lanes and on_side_lane(t) != on_side_lane(st)
-                  and st.name not in before[t.name] and t.name not in before[st.name]
-                  and total + mem(t) <= budget]
-        if beside:
-            t = max(beside, key=mem)
-            group, total = sorted([st.name, t.name], key=lambda n: on_side_lane(by_name[n])), total + mem(t)
-        if total > best[0]:
-            best = (total, group)
-    return best
-
-
-def two_lanes(device) -> bool:
-    """Whether a local run may make a model's stages in two lanes on ``device``: CPU, torch on
-    one intra-op thread and more than one core
-    (:func:`~quantpress.calibration.engine.side_by_side_threads`; the side lane's process
-    also runs its ops on one thread, so no output depends on which lane made it)."""
-    from quantpress.calibration.engine import side_by_side_threads
-
-    return side_by_side_threads(device, 2) > 1
-
-
 def run_model(plan: ModelPlan, progress: bool = True,
               on_row: Callable[[Row], None] | None = None,
               log: Callable[[str], None] = _stderr, side=None) -> list[Row]:
@@ -520,15 +320,15 @@ def run_model(plan: ModelPlan, progress: bool = True,
     try:
         source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails
-        run = ModelRun(plan, on_row, exl2_together=True)
+        run = ModelRun(plan, on_row, together=True)
         run.fail_all(e)
         return run.rows
     if side is not None:
-        sides = {on_side_lane(s) for s in model_stages(plan, eval_each=True, exl2_together=True) if not s.is_eval}
+        sides = {on_side_lane(s) for s in model_stages(plan, eval_each=True, together=True) if not s.is_eval}
         if plan.job.eval is not None:
             sides.add(True)
         side = side if sides == {True, False} else None
-    run = ModelRun(plan, on_row, eval_each=side is not None, exl2_together=True)
+    run = ModelRun(plan, on_row, eval_each=side is not None, together=True)
     run.man.computed_on(str(source.device), str(source.dtype).replace("torch.", ""))
     run.man.write()
 
@@ -659,12 +459,16 @@ def exit_code(rows: list[Row]) -> int:
 
 
 def run_plans(plans: list[ModelPlan], progress: bool = True,
-              on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """Make the planned models one after the other in this process (:func:`run_model`)."""
-    from quantpress.batch.lanes import SideLane
-
+              on_row: Callable[[Row], None] | None = None, side_lane: Callable[[], Any] | None = None) -> list[Row]:
+    """Make the planned models one after the other in this process (:func:`run_model`).
+    ``side_lane``: what makes the side lane of the models that may use two lanes
+    (:func:`two_lanes`), :class:`quantpress.batch.lanes.SideLane` as ``quantize batch``
+    passes it (the lanes module calls this one's functions in its process, so this module
+    does not import it); None: every stage in this process."""
     rows: list[Row] = []
-    side = SideLane() if any(two_lanes(pick_device(p.job.compute.device)) for p in plans) else None
+    side = None
+    if side_lane is not None and any(two_lanes(pick_device(p.job.compute.device)) for p in plans):
+        side = side_lane()
     try:
         for p in plans:
             use = side if two_lanes(pick_device(p.job.compute.device)) else None
@@ -675,43 +479,3 @@ def run_plans(plans: list[ModelPlan], progress: bool = True,
     return rows
 
 
-def plan_text(plans: list[ModelPlan]) -> str:
-    """The ``--dry-run`` plan: per model, its stages, each output (to make or kept, estimated
-    size), the estimated disk and the largest stage's working memory
-    (:func:`~quantpress.batch.jobfile.estimate`)."""
-    from quantpress.batch.jobfile import estimate
-
-    lines = []
-    for p in plans:
-        j = p.job
-        est = estimate(j)
-        kinds = {o.kind for o in p.make}
-        stages = []
-        if "gguf" in kinds:
-            stages.append("GGUF policies from one read of each tensor")
-        if any(o.after_imatrix for o in p.make):
-            stages.append("GGUF policies with the model's imatrix, once it is made")
-        shared = [k for k in ("imatrix", "awq", "measurement") if k in kinds
-                  and not (k == "awq" and all(o.options.rtn for o in p.make if o.kind == "awq"))]
-        if any(o.kind == "fp8" and o.options.scheme == "static" for o in p.make):
-            shared.append("fp8 static input scales")
-        if shared:
-            stages.append(f"one calibration pass ({j.calib.samples} x {j.calib.seqlen} tokens) "
-                          f"feeding {', '.join(shared)}")
-        if "gptq" in kinds:
-            stages.append(f"{sum(o.kind == 'gptq' for o in p.make)} GPTQ pass(es)")
-        if "exl2" in kinds:
-            stages.append(f"{sum(o.kind == 'exl2' for o in p.make)} EXL2 quantization pass(es)")
-        if j.eval is not None:
-            stages.append("evaluation against the source")
-        lines += [f"{j.where}: {j.source} -> {p.dir}/",
-                  f"  device {j.compute.device}; stages: {'; '.join(stages) or 'none (all kept)'}"]
-        for o in j.outputs:
-            state = "kept" if o in p.keep else "make"
-            lines.append(f"  {state}  {o.path:<40} ~{est['bytes'][o.path] / 2 ** 20:,.1f} MiB")
-        lanes = two_lanes(pick_device(j.compute.device))
-        most, together = memory_peak(p, True) if lanes else (est["peak_memory"], [est["peak_stage"]])
-        peak = (f"working memory ~{most / 2 ** 20:,.0f} MiB at its largest ({' beside '.join(together)}), "
-                f"above the libraries' own" if most else "no working memory to speak of")
-        lines.append(f"  estimated disk ~{est['disk'] / 2 ** 20:,.1f} MiB; {peak}")
-    return "\n".join(lines)

@@ -39,14 +39,15 @@ GPTQSink = Callable[[int, dict, dict, list], None]
 class GPTQSettings:
     """``bits``, ``group_size`` (−1: one group per output column), ``sym``, ``act_order``
     (``desc_act``), ``damp`` (fraction of mean diag(H)); ``rtn``: no Hessian (round to
-    nearest with the same groups)."""
+    nearest with the same groups). No defaults here: the options' defaults live once, in
+    :class:`quantpress.targets.GPTQOptions`, which builds these."""
 
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    act_order: bool = False
-    damp: float = 0.01
-    rtn: bool = False
+    bits: int
+    group_size: int
+    sym: bool
+    act_order: bool
+    damp: float
+    rtn: bool
 
     def fits(self, in_features: int, out_features: int) -> bool:
         """Whether a linear can be stored: the group size divides in_features, and the packing

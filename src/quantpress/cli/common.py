@@ -63,14 +63,14 @@ def add_debug(p: argparse.ArgumentParser) -> None:
 
 
 def add_compute(p: argparse.ArgumentParser, dtype: bool = True) -> None:
-    """``--device``, ``--dtype``, ``--batch-tokens`` (:class:`~quantpress.targets.ComputeOptions`)
-    and ``--quiet``."""
+    """``--device``, ``--dtype`` (only with ``dtype``: where the compute dtype changes the
+    output), ``--batch-tokens`` (:class:`~quantpress.targets.ComputeOptions`) and ``--quiet``."""
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
     if dtype:
         p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                        help="compute dtype (default float32)")
-        p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
-                       help=f"tokens per forward batch (default {DEFAULT_BATCH_TOKENS})")
+    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                   help=f"tokens per forward batch (default {DEFAULT_BATCH_TOKENS})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -89,8 +89,8 @@ def add_calib(p: argparse.ArgumentParser, samples: int = 128, seqlen: int = 512)
 def verb_options(p: argparse.ArgumentParser, run: Callable, calib: bool = False,
                  compute: bool = True, dtype: bool = True) -> None:
     """The options every verb ends with: the calibration options (``calib``), the compute
-    options (``compute``; ``dtype``: also --dtype and --batch-tokens), --debug; ``run(args)``
-    is what the verb does."""
+    options (``compute``; ``dtype``: also --dtype), --debug; ``run(args)`` is what the verb
+    does."""
     if calib:
         add_calib(p)
     if compute:
@@ -145,73 +145,61 @@ def source(args: argparse.Namespace, path: str, calibrated: bool = True):
                   progress=not args.quiet)
 
 
-def produce(args: argparse.Namespace, options, src, out: str, report: str | None = None) -> int:
+def add_target_verbs(sub, command: str) -> None:
+    """Add a verb for every registered target verb of ``command`` (``quantize`` or
+    ``convert``; :func:`quantpress.targets.registry.verbs`) to an argparse subparsers object:
+    its input argument, ``-o``, ``--force``, ``--report`` where it has one, ``--json``, one
+    flag per declared option of the target's options dataclass
+    (:func:`quantpress.targets.options.add_arguments`), the verb's own arguments, then the
+    calibration (where calibrated) and compute options."""
+    import functools
+
+    from quantpress.targets import registry
+    from quantpress.targets.options import add_arguments
+
+    registry.load_plugins()
+    for cls, verb in registry.verbs(command):
+        p = sub.add_parser(verb.name, help=verb.help)
+        p.add_argument(verb.arg, help=verb.arg_help)
+        p.add_argument("-o", "--output", required=verb.out_required, help=verb.out_help)
+        p.add_argument("--force", action="store_true", help="overwrite an existing output")
+        if verb.report:
+            p.add_argument("--report", help=verb.report)
+        p.add_argument("--json", action="store_true", help="print the summary as JSON")
+        add_arguments(p, cls.options_type, verb.overrides)
+        for flags, kw in verb.extra:
+            p.add_argument(*flags, **kw)
+        verb_options(p, functools.partial(run_target, cls, verb), calib=verb.calibrated, dtype=verb.dtype)
+
+
+def run_target(cls: type, verb, args: argparse.Namespace) -> int:
+    """What a target verb does: check its input (``verb.check_input``), build the options from
+    the flags (:func:`quantpress.targets.options.from_args`), then make each of the verb's
+    steps (:meth:`~quantpress.targets.registry.Verb.plan`) with :func:`produce`. Returns 0."""
+    from quantpress.targets.options import from_args
+
+    path = getattr(args, verb.arg)
+    if verb.check_input is not None:
+        verb.check_input(path)
+    for step in verb.plan(args, from_args(cls.options_type, args)):
+        produce(args, step.options, source(args, path, step.calibrated), step.out, report=step.report,
+                aside=step.aside)
+    return 0
+
+
+def produce(args: argparse.Namespace, options, src, out: str, report: str | None = None,
+            aside: bool = False) -> int:
     """Run the target for ``options`` on ``src`` into ``out`` and print its summary (text, or
-    JSON with ``--json``); ``report``: also write the JSON summary there. Returns 0."""
+    JSON with ``--json``; ``aside``: the text on stderr, an output made on the way);
+    ``report``: also write the JSON summary there. Returns 0."""
     from quantpress.targets import produce as run
 
     s = run(options, src, out, force=args.force, progress=not args.quiet)
     if report:
         with open(report, "w", encoding="utf-8") as f:
             json.dump(s.to_json(), f, indent=1)
-    print(json.dumps(s.to_json(), indent=1) if getattr(args, "json", False) else s.text())
-    return 0
-
-
-def add_gguf_options(p: argparse.ArgumentParser) -> None:
-    """llama-quantize's options of ``convert hf-to-gguf`` and ``quantize gguf``: ``--imatrix``
-    (with ``--include-weights`` / ``--exclude-weights``) and the per-tensor controls
-    (:class:`~quantpress.targets.GGUFOptions`), plus the calibration options that
-    ``--imatrix auto`` uses."""
-    p.add_argument("--imatrix", metavar="FILE|auto",
-                   help="importance matrix for the quantizers: a GGUF imatrix (quantize imatrix, "
-                        "llama-imatrix) or a legacy .dat; 'auto' computes one first with the "
-                        "calibration options below and keeps it as OUTPUT.imatrix.gguf")
-    p.add_argument("--include-weights", action="append", default=[], metavar="NAME",
-                   help="use the imatrix only for tensors whose name contains NAME (repeatable)")
-    p.add_argument("--exclude-weights", action="append", default=[], metavar="NAME",
-                   help="do not use the imatrix for tensors whose name contains NAME (repeatable)")
-    p.add_argument("--output-tensor-type", metavar="TYPE", help="ggml type of output.weight")
-    p.add_argument("--token-embedding-type", metavar="TYPE", help="ggml type of token_embd.weight")
-    p.add_argument("--leave-output-tensor", action="store_true",
-                   help="do not quantize output.weight")
-    p.add_argument("--pure", action="store_true",
-                   help="the policy's default type for every quantized tensor (no k-quant mixtures)")
-    p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
-                   help="ggml type for the tensors whose name matches the regular expression "
-                        "PATTERN (repeatable, first match wins), e.g. attn_v=q8_0")
-
-
-def gguf_options(args: argparse.Namespace):
-    """:class:`~quantpress.targets.GGUFOptions` from the parsed arguments."""
-    from quantpress.targets import GGUFOptions
-
-    return GGUFOptions(policy=args.policy, imatrix=args.imatrix,
-                       include_weights=tuple(args.include_weights),
-                       exclude_weights=tuple(args.exclude_weights),
-                       output_tensor_type=args.output_tensor_type,
-                       token_embedding_type=args.token_embedding_type,
-                       leave_output_tensor=args.leave_output_tensor, pure=args.pure,
-                       tensor_type=tuple(args.tensor_type))
-
-
-def produce_gguf(args: argparse.Namespace, model: str, out: str) -> int:
-    """A GGUF output of ``model`` (HF directory or GGUF file) at ``out``. With ``--imatrix
-    auto`` the importance matrix is made first (``quantize imatrix`` with the calibration
-    options, verified, kept as ``OUT.imatrix.gguf``; its summary goes to stderr) and the GGUF
-    is quantized with it. Returns 0."""
-    import dataclasses
-    from pathlib import Path
-
-    from quantpress.targets import ImatrixOptions, check_output
-    from quantpress.targets import produce as run
-
-    opts = gguf_options(args)
-    if opts.imatrix == "auto":
-        im_out = Path(out).with_name(Path(out).name + ".imatrix.gguf")
-        opts = dataclasses.replace(opts, imatrix=str(im_out))
-        opts.validate()
-        check_output(Path(out), False, args.force)
-        s = run(ImatrixOptions(), source(args, model), im_out, force=args.force, progress=not args.quiet)
+    if aside:
         print(s.text(), file=sys.stderr)
-    return produce(args, opts, source(args, model, False), out, report=getattr(args, "report", None))
+    else:
+        print(json.dumps(s.to_json(), indent=1) if getattr(args, "json", False) else s.text())
+    return 0

@@ -8,9 +8,13 @@ Importing this package registers every target; :func:`produce` makes one verifie
     summary = produce(AWQOptions(group_size=64), src, "smollm2-awq-w4g64")
     print(summary.text())
 
-A new output kind is an options dataclass and a :class:`~quantpress.targets.base.Target`
-subclass declared for it (``class MyTarget(Target, kind="my", options=MyOptions)``; see
-:mod:`.base`).
+A new output kind is an options dataclass whose fields declare their flags, help, defaults
+and job-file keys (:func:`quantpress.targets.options.option`) and a
+:class:`~quantpress.targets.target.Target` subclass declared for it (``class MyTarget(Target,
+kind="my", options=MyOptions)``) with its verbs, job-file key, stream, needs and estimate
+(:mod:`quantpress.targets.registry`); the CLI and ``quantize batch`` take everything from
+those declarations (example: tests/int8_target.py). Installed packages can add targets through
+the ``quantpress.targets`` entry-point group.
 """
 from quantpress.targets.awq import AWQOptions
 from quantpress.targets.base import (CalibOptions, ComputeOptions, Run, Source, Summary, Target,

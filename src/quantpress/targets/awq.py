@@ -21,6 +21,8 @@ from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Summary, Target, WriterShare, reference_pass
+from quantpress.targets.options import option
+from quantpress.targets.registry import Estimate, Verb
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,18 @@ class AWQOptions:
     the same quantizer and packing, the baseline), ``max_shard_size`` (safetensors shard size,
     "5GB", "500MB", "2GiB" or bytes)."""
 
-    bits: int = 4
-    group_size: int = 128
-    duo_scaling: bool = True
-    clip: bool = True
-    rtn: bool = False
-    max_shard_size: str = "5GB"
+    bits: int = option(4, flag="--bits", help="weight bits (4: the GEMM layout)")
+    group_size: int = option(128, flag="--group-size",
+                             help="input columns per scale and zero point (default {default}; 64 "
+                                  "for widths like 576)")
+    duo_scaling: bool = option(True, flag="--duo-scaling", off="--no-duo-scaling",
+                               help="s = x^r / w^(1-r) (default, AutoAWQ)",
+                               off_help="s = x^r (the original llm-awq grid)")
+    clip: bool = option(True, off="--no-clip", off_help="skip the clipping search")
+    rtn: bool = option(False, flag="--rtn", help="plain round-to-nearest (no calibration), same "
+                                                 "quantizer and packing: the baseline")
+    max_shard_size: str = option("5GB", flag="--max-shard-size",
+                                 help="safetensors shard size (default {default})")
 
     def validate(self) -> None:
         """InputError naming the option: bits other than 4, a group size that is not a positive
@@ -77,6 +85,14 @@ def verify_awq_dir(path: Path, results: list[cawq.LinearResult], group_size: int
     return f"ok ({n} linears bit-identical to the fake-quantized weights)"
 
 
+def group_bytes(info, bits: int, group_size: int) -> int:
+    """Estimated bytes of a checkpoint whose decoder linears take ``bits`` per weight and a
+    float16 scale and zero point per ``group_size`` inputs (-1: one group per column), the
+    rest float16 (``info``: :class:`~quantpress.targets.registry.ModelInfo`)."""
+    g = group_size if group_size > 0 else 1 << 30
+    return int(info.linear * (bits / 8 + 2.5 / g) + 2 * (info.total - info.linear))
+
+
 class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     """An AutoAWQ GEMM directory (:class:`AWQOptions`).
 
@@ -89,6 +105,31 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     reference_stage = "layers"
     resumable = True
     lq: cawq.LayerQuantizer | None = None
+    verbs = (Verb("quantize", "awq", "AWQ (activation-aware) 4-bit quantization to an AutoAWQ GEMM "
+                                     "directory (vLLM, transformers)"),)
+    job_key = "awq"
+    job_order = 30
+    runtimes = "vLLM, transformers (AutoAWQ GEMM)"
+    stream = "reference"
+
+    @classmethod
+    def job_target(cls, options: AWQOptions) -> str:
+        return options.label + ("-rtn" if options.rtn else "")
+
+    @classmethod
+    def job_path(cls, name: str, options: AWQOptions) -> str:
+        return f"{name}-AWQ-{cls.job_target(options)}"
+
+    @classmethod
+    def feeds(cls, options: AWQOptions) -> str | None:
+        return None if options.rtn else cls.kind
+
+    @classmethod
+    def estimate(cls, info, options: list[AWQOptions]) -> Estimate:
+        """Packed codes and a scale and zero point per group; the search holds a
+        fake-quantized copy of the layer and its linears' inputs (W + 4X)."""
+        return Estimate([group_bytes(info, o.bits, o.group_size) for o in options],
+                        consumers=[info.layer + 16 * info.tokens * info.hidden for o in options if not o.rtn])
 
     def prepare(self, run: Run) -> None:
         bound_heap()

@@ -52,6 +52,8 @@ from quantpress.quantize import exl2 as qexl2
 from quantpress.runtime import available_memory, bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Source, Summary, Target, WriterShare, reference_pass
+from quantpress.targets.options import option
+from quantpress.targets.registry import Estimate, Needs, Step, Verb
 
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
 #: the achieved decoder bpw lies in [target − BPW_WINDOW, target] (dearer options are taken
@@ -72,11 +74,18 @@ class EXL2Options:
     ``sum`` or ``max``, :data:`quantpress.calibration.exl2_alloc.OBJECTIVE_MODES`);
     ``max_shard_size``: MB per output file (``-ss``; 0 = one file)."""
 
-    bpw: float
-    head_bits: int = 6
-    measurement: str | None = None
-    objective: str = alloc.DEFAULT_OBJECTIVE
-    max_shard_size: float = exl2_dir.DEFAULT_SHARD_MB
+    bpw: float = option(flag="--bpw", help="target bits per weight of the decoder layers "
+                                           "(exllamav2 -b; required unless --measure-only)")
+    head_bits: int = option(6, flag="--head-bits", help="lm_head bits: 2, 3, 4, 5, 6 or 8 (default {default})")
+    # job files share one measurement per model (exl2_measurement), not one per table
+    measurement: str | None = option(None, flag="--measurement", job=False,
+                                     help="reuse this measurement.json (skips the measurement pass)")
+    objective: str = option(alloc.DEFAULT_OBJECTIVE, flag="--objective", choices=tuple(alloc.OBJECTIVE_MODES),
+                            help="bit allocation: minimize the sum of squared module errors relative "
+                                 "to the norm of the non-sink tokens (content, default), the sum of "
+                                 "exllamav2's module errors (sum) or their maximum (max, exllamav2's intent)")
+    max_shard_size: float = option(exl2_dir.DEFAULT_SHARD_MB, flag="--max-shard-size",
+                                   help="MB per output file (exllamav2 -ss; default {default}, 0 = one file)")
 
     def validate(self) -> None:
         """InputError naming the option: bpw not a positive number, head bits not in
@@ -318,14 +327,56 @@ def verify_measurement(path: Path, text: str, num_layers: int, shapes: dict) -> 
     return f"ok (re-read and validated: {num_layers} layers, every option's total_bits)"
 
 
+def exl2_steps(args, options: EXL2Options) -> list[Step]:
+    """The steps of ``quantize exl2``: with ``--measure-only FILE`` the measurement alone at
+    FILE, else the EXL2 directory at ``-o``. InputError for --measure-only with
+    --measurement, and for a missing -o or --bpw without --measure-only."""
+    if args.measure_only is not None:
+        if args.measurement is not None:
+            raise InputError("--measure-only and --measurement exclude each other (one writes a "
+                             "measurement, the other reuses one)")
+        return [Step(EXL2MeasurementOptions(), args.measure_only)]
+    if args.output is None:
+        raise InputError("-o/--output is required (or --measure-only FILE)")
+    if args.bpw is None:
+        raise InputError("--bpw is required (or --measure-only FILE)")
+    return [Step(options, args.output)]
+
+
 # --------------------------------------------------------------------------------------------
 # Targets
+
+#: file name of the EXL2 measurement a batch shares between a model's EXL2 outputs
+MEASUREMENT_FILE = "measurement.json"
+
 
 class EXL2MeasurementTarget(Target, kind="measurement", options=EXL2MeasurementOptions):
     """measurement.json of the source (:class:`EXL2MeasurementOptions`)."""
 
     reference_stage = "measurement"
     measurer: cm.Measurer | None = None
+    job_order = 60
+    runtimes = "exllamav2 convert.py -m, quantize exl2 --measurement"
+    stream = "reference"
+    is_model = False
+
+    @classmethod
+    def job_target(cls, options: EXL2MeasurementOptions) -> str:
+        return EXL2Target.kind
+
+    @classmethod
+    def job_path(cls, name: str, options: EXL2MeasurementOptions) -> str:
+        return MEASUREMENT_FILE
+
+    @classmethod
+    def estimate(cls, info, options: list[EXL2MeasurementOptions]) -> Estimate:
+        """The layer's four Hessians and, per module (two side by side), one candidate's
+        forward and one batched GPTQ call (``calibration.exl2_measure.GPTQ_BATCH_BYTES``)."""
+        h, f = info.hidden, info.ffn
+        hess = 4 * (2 * h * h + (info.heads * info.head_dim) ** 2 + f * f)
+        module = 4 * min(info.tokens, 4096) * (4 * f + 4 * h) + cm.GPTQ_BATCH_BYTES
+        return Estimate([40_000 * info.layers for _ in options],
+                        consumers=[info.layer + hess + 2 * module for _ in options])
 
     def prepare(self, run: Run) -> None:
         self.m = _EXL2Model(self.source)
@@ -388,6 +439,37 @@ class EXL2Target(Target, kind="exl2", options=EXL2Options, output_is_dir=True):
     resumable = True
     measurer: cm.Measurer | None = None
     resumed_at = 0
+    verbs = (Verb("quantize", "exl2", "EXL2 (exllamav2 0.3.2) mixed-bit GPTQ quantization to a "
+                                      "target bits per weight", out_required=False,
+                  out_help="output directory (required unless --measure-only)",
+                  extra=((("--measure-only",), {"metavar": "FILE", "help": "only measure; write "
+                                                "measurement.json to FILE"}),),
+                  steps=lambda args, options: exl2_steps(args, options)),)
+    job_key = "exl2"
+    job_order = 70
+    runtimes = "ExLlamaV2, TabbyAPI"
+    memory_stages = ("EXL2 passes", "EXL2 head")
+    plan_words = "{n} EXL2 quantization pass(es)"
+    needs = Needs(EXL2MeasurementOptions, "measurement", "the EXL2 measurement",
+                  when=lambda o: o.measurement is None, reuse_key="exl2_measurement",
+                  reuse_what="a measurement.json", together=True)
+
+    @classmethod
+    def job_target(cls, options: EXL2Options) -> str:
+        return options.label
+
+    @classmethod
+    def job_path(cls, name: str, options: EXL2Options) -> str:
+        return f"{name}-EXL2-{options.label}bpw"
+
+    @classmethod
+    def estimate(cls, info, options: list[EXL2Options]) -> Estimate:
+        """:func:`pass_memory` per pass and per head, times the passes run side by side
+        (:func:`quantpress.calibration.engine.side_by_side_threads`)."""
+        n = engine.side_by_side_threads(info.device, len(options))
+        layers, head = pass_memory(info.tokens, info.hidden, info.layer // 4, info.vocab * info.hidden)
+        return Estimate([int(info.linear * o.bpw / 8 + 2 * (info.total - info.linear)) for o in options],
+                        {"EXL2 passes": n * layers, "EXL2 head": n * head})
 
     def prepare(self, run: Run) -> None:
         o = self.options

@@ -33,6 +33,8 @@ from quantpress.quantize import fp8
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Summary, Target, WriterShare, reference_pass
+from quantpress.targets.options import option
+from quantpress.targets.registry import Estimate, Verb
 
 #: what the activations become at inference, per scheme (the config's input_activations)
 ACTIVATIONS = {"dynamic": "dynamic per token", "static": "static per tensor (input_scale)",
@@ -54,10 +56,18 @@ class FP8Options:
     ``lm_head``: quantize lm_head too, with the same scheme (with tied embeddings the output
     gets its own FP8 ``lm_head`` and ``tie_word_embeddings: false``; the embedding stays)."""
 
-    scheme: str = "dynamic"
-    ignore: tuple[str, ...] = ()
-    max_shard_size: str = "5GB"
-    lm_head: bool = False
+    scheme: str = option("dynamic", flag="--scheme",
+                         help="dynamic: per-channel weight scales, per-token activation scales at run "
+                              "time (default; no calibration); static: per-tensor weight scales and "
+                              "calibrated input_scale; block: one scale per 128x128 weight block")
+    ignore: tuple[str, ...] = option((), flag="--ignore", nargs="+", metavar="NAME",
+                                     help="more linears to keep unquantized besides lm_head: module "
+                                          "names or re:REGEX")
+    max_shard_size: str = option("5GB", flag="--max-shard-size",
+                                 help="safetensors shard size (default {default})")
+    lm_head: bool = option(False, flag="--lm-head",
+                           help="quantize lm_head too (tied embeddings: a separate FP8 lm_head, the "
+                                "embedding kept)")
 
     def validate(self) -> None:
         """InputError naming the option: an unknown scheme, an ignore entry that is not a
@@ -168,6 +178,33 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
     reference_stage = "layers"
     resumable = True
     writer: fp8_dir.ModelDirWriter | None = None
+    # no --dtype: the codec rounds every weight in the checkpoint's own dtype, whatever the
+    # compute dtype, so the option would change nothing
+    verbs = (Verb("quantize", "fp8", "FP8 E4M3 weights (and activation scales) in the "
+                                     "compressed-tensors format (vLLM, transformers)", dtype=False),)
+    job_key = "fp8"
+    job_order = 50
+    runtimes = "vLLM, transformers (compressed-tensors)"
+    stream = "reference"
+
+    @classmethod
+    def job_target(cls, options: FP8Options) -> str:
+        return options.scheme
+
+    @classmethod
+    def job_path(cls, name: str, options: FP8Options) -> str:
+        return f"{name}-{options.label}"
+
+    @classmethod
+    def feeds(cls, options: FP8Options) -> str | None:
+        return "fp8 static input scales" if options.scheme == "static" else None
+
+    @classmethod
+    def estimate(cls, info, options: list[FP8Options]) -> Estimate:
+        """One byte per decoder-linear weight, the rest float16; static input scales watch
+        the linears' inputs (4X)."""
+        return Estimate([int(info.linear + 2 * (info.total - info.linear)) for _ in options],
+                        consumers=[16 * info.tokens * info.hidden for o in options if o.scheme == "static"])
 
     def prepare(self, run: Run) -> None:
         bound_heap()

@@ -41,7 +41,10 @@ from quantpress.quantize import ggml
 from quantpress.quantize.ggml import compiled_searches
 from quantpress.quantize.ggml.processes import start_codec_processes
 from quantpress.runtime import bound_heap, fork_call
-from quantpress.targets.base import Run, Summary, Target
+from quantpress.targets.base import Run, Summary, Target, check_output
+from quantpress.targets.imatrix import ImatrixOptions
+from quantpress.targets.options import from_table, option
+from quantpress.targets.registry import Estimate, Needs, Step, Verb
 
 #: ggml types of an input GGUF that ``quantize gguf`` accepts
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -61,15 +64,31 @@ class GGUFOptions:
     wins): llama-quantize's per-tensor controls
     (:class:`quantpress.convert.gguf_policy.TypeOverrides`)."""
 
-    policy: str = "F16"
-    imatrix: str | None = None
-    include_weights: tuple[str, ...] = ()
-    exclude_weights: tuple[str, ...] = ()
-    output_tensor_type: str | None = None
-    token_embedding_type: str | None = None
-    leave_output_tensor: bool = False
-    pure: bool = False
-    tensor_type: tuple[str, ...] = ()
+    policy: str = option("F16", flag="--policy", choices=gguf_policy.POLICIES,
+                         help="llama.cpp ftype (default {default})")
+    imatrix: str | None = option(None, flag="--imatrix", metavar="FILE|auto",
+                                 help="importance matrix for the quantizers: a GGUF imatrix (quantize "
+                                      "imatrix, llama-imatrix) or a legacy .dat; 'auto' computes one "
+                                      "first with the calibration options below and keeps it as "
+                                      "OUTPUT.imatrix.gguf")
+    include_weights: tuple[str, ...] = option((), flag="--include-weights", append=True, metavar="NAME",
+                                              help="use the imatrix only for tensors whose name "
+                                                   "contains NAME (repeatable)")
+    exclude_weights: tuple[str, ...] = option((), flag="--exclude-weights", append=True, metavar="NAME",
+                                              help="do not use the imatrix for tensors whose name "
+                                                   "contains NAME (repeatable)")
+    output_tensor_type: str | None = option(None, flag="--output-tensor-type", metavar="TYPE",
+                                            help="ggml type of output.weight")
+    token_embedding_type: str | None = option(None, flag="--token-embedding-type", metavar="TYPE",
+                                              help="ggml type of token_embd.weight")
+    leave_output_tensor: bool = option(False, flag="--leave-output-tensor",
+                                       help="do not quantize output.weight")
+    pure: bool = option(False, flag="--pure", help="the policy's default type for every quantized "
+                                                   "tensor (no k-quant mixtures)")
+    tensor_type: tuple[str, ...] = option((), flag="--tensor-type", append=True, metavar="PATTERN=TYPE",
+                                          help="ggml type for the tensors whose name matches the "
+                                               "regular expression PATTERN (repeatable, first match "
+                                               "wins), e.g. attn_v=q8_0")
 
     def validate(self) -> None:
         """InputError for a policy llama.cpp does not have (the message lists them), an
@@ -377,11 +396,133 @@ def finish_plan(plan: GGUFPlan, params: gguf_policy.ModelParams, options: GGUFOp
     return plan
 
 
+#: ``GGUFOptions.imatrix`` asking for the model's own importance matrix, made first
+#: (``--imatrix auto``; ``imatrix = true`` in a job file's GGUF table)
+AUTO_IMATRIX = "auto"
+
+_REPORT = "also write the summary with every tensor's round-trip figures (RMSE, max error, SNR) as JSON"
+
+
+def check_gguf_file(path: str) -> None:
+    """``quantize gguf``'s input: InputError unless ``path`` is a file."""
+    if not Path(path).is_file():
+        raise InputError(f"{path}: no such file (quantize gguf reads a .gguf file; "
+                         f"'convert hf-to-gguf' reads Hugging Face directories)")
+
+
+def check_not_gguf(path: str) -> None:
+    """``convert hf-to-gguf``'s input: InputError for a GGUF file."""
+    if gguf_load.is_gguf(Path(path)):
+        raise InputError(f"{path}: a GGUF file; 'quantize gguf' requantizes GGUF files, "
+                         f"hf-to-gguf reads Hugging Face directories")
+
+
+def gguf_steps(args, options: GGUFOptions) -> list[Step]:
+    """The steps of ``convert hf-to-gguf`` / ``quantize gguf``: the GGUF at ``-o``; with
+    ``--imatrix auto`` first the importance matrix (``quantize imatrix`` with the calibration
+    options, kept as ``OUT.imatrix.gguf``, its summary on stderr), the options checked and the
+    output path refused before it is made."""
+    out = Path(args.output)
+    steps = []
+    if options.imatrix == AUTO_IMATRIX:
+        im_out = out.with_name(out.name + ".imatrix.gguf")
+        options = dataclasses.replace(options, imatrix=str(im_out))
+        options.validate()
+        check_output(out, False, args.force)
+        steps.append(Step(ImatrixOptions(), im_out, aside=True))
+    return steps + [Step(options, out, calibrated=False, report=args.report)]
+
+
 class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
     """A GGUF file from an HF directory or an F32/F16/BF16 GGUF (:class:`GGUFOptions`)."""
 
     #: the round trip runs beside the writing (:meth:`write_together`); verify only reports it
     verify_stage = "verify (beside writing)"
+    verbs = (Verb("convert", "hf-to-gguf", "Hugging Face FP16/BF16 directory -> verified GGUF file",
+                  arg="model_dir", arg_help="Hugging Face model directory (config.json, safetensors, "
+                                            "tokenizer)",
+                  out_help="output .gguf path", report=_REPORT, check_input=check_not_gguf, steps=gguf_steps),
+             Verb("quantize", "gguf", "requantize an F32/F16/BF16 GGUF with a llama.cpp policy",
+                  input="gguf", arg="input", arg_help="input .gguf (F32/F16/BF16 tensors)",
+                  out_help="output .gguf path", report=_REPORT, check_input=check_gguf_file,
+                  steps=gguf_steps,
+                  overrides={"policy": {"required": True, "help": "llama.cpp ftype, e.g. Q4_K_M"}}))
+    job_key = "gguf"
+    job_order = 10
+    runtimes = "llama.cpp, Ollama, LM Studio"
+    packages = ("gguf",)
+    stream = "tensors"
+    memory_stages = ("gguf",)
+    needs = Needs(ImatrixOptions, "imatrix", "the imatrix", when=lambda o: o.imatrix == AUTO_IMATRIX)
+
+    @classmethod
+    def job_entries(cls, value, where: str, base: Path) -> list[GGUFOptions]:
+        """Policy names, or tables of ``convert hf-to-gguf``'s options where ``imatrix`` is
+        true (the model's own imatrix, :data:`AUTO_IMATRIX`), false, or the path of an
+        imatrix file (relative: to the job file)."""
+        if not isinstance(value, list) or not all(isinstance(v, (str, dict)) for v in value):
+            raise InputError(f"{where}: {cls.job_key} = {value!r}: expected a list of policy names "
+                             f"or tables of hf-to-gguf options")
+        out = []
+        for i, item in enumerate(value):
+            at = f"{where}: {cls.job_key}[{i}]"
+            table = {"policy": item} if isinstance(item, str) else dict(item)
+            im = table.get("imatrix")
+            if isinstance(im, bool):
+                if im:
+                    table["imatrix"] = AUTO_IMATRIX
+                else:
+                    del table["imatrix"]
+            elif isinstance(im, str):
+                f = Path(im).expanduser()
+                f = f if f.is_absolute() else (base / f).resolve()
+                if im == AUTO_IMATRIX or not f.is_file():
+                    raise InputError(f"{at}: imatrix = {im!r}: expected true (this model's imatrix) "
+                                     f"or the path of an imatrix file")
+                table["imatrix"] = str(f)
+            out.append(from_table(GGUFOptions, table, at))
+        return out
+
+    @classmethod
+    def job_target(cls, options: GGUFOptions) -> str:
+        return options.policy
+
+    @classmethod
+    def job_path(cls, name: str, options: GGUFOptions) -> str:
+        return f"{name}-{options.policy}.gguf"
+
+    @classmethod
+    def describe(cls, options: list[GGUFOptions], waiting: bool = False) -> str:
+        return ("GGUF policies with the model's imatrix, once it is made" if waiting
+                else "GGUF policies from one read of each tensor")
+
+    @classmethod
+    def estimate(cls, info, options: list[GGUFOptions]) -> Estimate:
+        """Per policy the planned types' bytes (F16 when the plan fails); working memory: the
+        largest tensor in float32, its quantized bytes per policy, and the round trip's float32
+        chunks (``convert.gguf_roundtrip.VERIFY_CHUNK_ELEMENTS``, four copies)."""
+        from quantpress.convert.gguf_roundtrip import VERIFY_CHUNK_ELEMENTS
+
+        cfg, shapes, numel = info.cfg, info.shapes, info.numel
+        sizes, out = [], 0
+        for o in options:
+            try:
+                arch = gguf_arch.gguf_arch(cfg)
+                names = [(gguf_arch.gguf_tensor_name(k, arch, n_layers=info.layers), s)
+                         for k, s in shapes.items() if not gguf_arch.is_skipped_tensor(k)]
+                params = gguf_policy.ModelParams(
+                    arch=arch, n_layer=info.layers, n_head=info.heads,
+                    n_head_kv=int(cfg.get("num_key_value_heads") or info.heads),
+                    n_expert=0, has_output=any(n == "output.weight" for n, _ in names))
+                types = gguf_policy.plan_types(o.policy, names, params)
+                row_bytes = {n: math.prod(s[:-1]) * ggml.get(types[n]).row_bytes(s[-1]) for n, s in names}
+                sizes.append(sum(row_bytes.values()))
+                out += max(row_bytes.values())
+            except Exception:  # an estimate only: fall back to F16 size
+                sizes.append(2 * info.total)
+                out += 2 * max(numel.values())
+        biggest = max(numel.values())
+        return Estimate(sizes, {"gguf": 4 * biggest + out + 4 * 4 * VERIFY_CHUNK_ELEMENTS} if options else {})
 
     def prepare(self, run: Run) -> None:
         with run.stage("prepare"):

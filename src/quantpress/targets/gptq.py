@@ -25,7 +25,10 @@ from quantpress.convert import awq_dir, gptq_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets import hfdir
+from quantpress.targets.awq import group_bytes
 from quantpress.targets.base import Run, Summary, Target, WriterShare, options_json
+from quantpress.targets.options import option
+from quantpress.targets.registry import Estimate, Verb
 
 
 #: group sizes a GPTQ checkpoint may have here: those gptqmodel 7.7's kernels load
@@ -42,13 +45,22 @@ class GPTQOptions:
     mean Hessian diagonal added to it), ``rtn`` (no calibration: round to nearest with the same
     groups, the baseline), ``max_shard_size``."""
 
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    act_order: bool = False
-    damp: float = 0.01
-    rtn: bool = False
-    max_shard_size: str = "5GB"
+    bits: int = option(4, flag="--bits", help="weight bits: {default} (default) or 8")
+    group_size: int = option(128, flag="--group-size",
+                             help="input rows per scale and zero point: {default} (default), 32, 64, "
+                                  "or -1 (one per column)")
+    sym: bool = option(True, flag="--sym", off="--asym",
+                       help="symmetric quantization, zero point 2^(bits-1) (default; what Marlin takes)",
+                       off_help="asymmetric (min-max zero points)")
+    act_order: bool = option(False, flag="--act-order",
+                             help="quantize inputs by descending Hessian diagonal (desc_act: true, "
+                                  "with g_idx)")
+    damp: float = option(0.01, flag="--damp", help="damping: fraction of the mean Hessian diagonal "
+                                                   "added to it (default {default})")
+    rtn: bool = option(False, flag="--rtn", help="plain round-to-nearest (no calibration), same "
+                                                 "groups and packing: the baseline")
+    max_shard_size: str = option("5GB", flag="--max-shard-size",
+                                 help="safetensors shard size (default {default})")
 
     def validate(self) -> None:
         """InputError naming the option: bits other than 4/8, a group size not in
@@ -115,6 +127,30 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
     layer), a Hessian that cannot be factored (naming the linear)."""
 
     resumable = True
+    verbs = (Verb("quantize", "gptq", "GPTQ (Hessian-based, layer by layer) to a GPTQ checkpoint "
+                                      "directory (vLLM gptq/Marlin, transformers with gptqmodel)"),)
+    job_key = "gptq"
+    job_order = 40
+    runtimes = "vLLM (gptq / Marlin), transformers with gptqmodel"
+    memory_stages = ("GPTQ pass",)
+    plan_words = "{n} GPTQ pass(es)"
+
+    @classmethod
+    def job_target(cls, options: GPTQOptions) -> str:
+        return options.label + ("-rtn" if options.rtn else "")
+
+    @classmethod
+    def job_path(cls, name: str, options: GPTQOptions) -> str:
+        return f"{name}-GPTQ-{cls.job_target(options)}"
+
+    @classmethod
+    def estimate(cls, info, options: list[GPTQOptions]) -> Estimate:
+        """Packed codes and group parameters; one pass at a time over its quantized stream
+        (:func:`quantpress.targets.exl2.pass_memory`'s layer part)."""
+        from quantpress.targets.exl2 import pass_memory
+
+        return Estimate([group_bytes(info, o.bits, o.group_size) for o in options],
+                        {"GPTQ pass": pass_memory(info.tokens, info.hidden, info.layer // 4, 0)[0]})
 
     def prepare(self, run: Run) -> None:
         bound_heap()

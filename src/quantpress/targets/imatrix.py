@@ -23,6 +23,7 @@ from quantpress.convert.imatrix_file import Imatrix, from_stats, read_imatrix, w
 from quantpress.errors import InputError, RoundTripError
 from quantpress.runtime import bound_heap, trim_heap
 from quantpress.targets.base import Run, Source, Summary, Target, reference_pass
+from quantpress.targets.registry import Estimate, Verb
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,30 @@ class ImatrixTarget(Target, kind="imatrix", options=ImatrixOptions):
 
     reference_stage = "forward"
     collector: ImatrixCollector | None = None
+    verbs = (Verb("quantize", "imatrix", "llama.cpp importance matrix (GGUF imatrix file for "
+                                         "llama-quantize --imatrix)", input="any",
+                  arg_help="Hugging Face model directory or GGUF file",
+                  out_help="output imatrix .gguf path"),)
+    job_key = "imatrix"
+    job_value = "flag"
+    job_order = 20
+    runtimes = "llama-quantize --imatrix"
+    stream = "reference"
+    is_model = False
+
+    @classmethod
+    def job_target(cls, options: ImatrixOptions) -> str:
+        return cls.kind
+
+    @classmethod
+    def job_path(cls, name: str, options: ImatrixOptions) -> str:
+        return f"{name}.imatrix.gguf"
+
+    @classmethod
+    def estimate(cls, info, options: list[ImatrixOptions]) -> Estimate:
+        """Σx² and counts per linear input (float64), statistics that cost no working memory
+        to speak of."""
+        return Estimate([8 * 7 * info.hidden * info.layers for _ in options], consumers=[0 for _ in options])
 
     def prepare(self, run: Run) -> None:
         bound_heap()

@@ -241,9 +241,9 @@ def test_shared_hessian_factor_equals_the_hessian():
 
 
 def test_scale_search_threads_leave_the_sums_alone():
-    # 128 x 4096 = 2^19 elements: one grid point per chunk, the case where a sum split over
-    # two threads rounds differently. The threaded elementwise passes inside
-    # single_threaded_ops give the single-threaded E(p) bit for bit.
+    # 128 x 4096 = 2^19 elements: one grid point per chunk, the case where torch.sum split
+    # over two threads rounds differently. The scale search's sums are pairwise in one order
+    # (exact_ops.tree_sum_): E(p) is the same bit for bit on any thread count.
     g = torch.Generator().manual_seed(7)
     x = torch.randn(128, 4096, generator=g) * 0.02
     cand = x.abs().amax(dim=0) / 7.5
@@ -254,10 +254,10 @@ def test_scale_search_threads_leave_the_sums_alone():
         with single_threaded_ops():
             assert torch.equal(scale_search_error(x, cand, 4, threads=2), ref)
         torch.set_num_threads(2)
-        threaded = scale_search_error(x, cand, 4)     # sums split over threads too
+        threaded = scale_search_error(x, cand, 4)     # the pairwise sums' adds threaded too
     finally:
         torch.set_num_threads(saved)
-    assert not torch.equal(threaded, ref)
+    assert torch.equal(threaded, ref)
 
 
 def test_scale_search_chunking_leaves_the_sums_alone(monkeypatch):

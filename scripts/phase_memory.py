@@ -99,7 +99,7 @@ def libraries_baseline(model: str | Path) -> int:
     returns the anonymous RSS then (bytes)."""
     from quantpress.calibration import engine
     from quantpress.convert import loaders
-    from quantpress.runtime import trim_heap
+    from quantpress.memory import trim_heap
 
     sm = engine.StreamingModel(model)
     tok = loaders.find_loader(Path(model)).tokenizer(Path(model))
@@ -135,7 +135,7 @@ class PhaseWatch:
 
     def observe(self, stage: str, event: str) -> None:
         """A runner stage starts or ends (``quantpress.targets.base.STAGE_OBSERVERS``)."""
-        from quantpress.runtime import trim_heap
+        from quantpress.memory import trim_heap
 
         if event == "start":
             trim_heap()

@@ -360,7 +360,7 @@ def estimate(job: ModelJob) -> dict:
     from quantpress.convert import gguf_arch, gguf_policy
     from quantpress.convert.gguf_roundtrip import VERIFY_CHUNK_ELEMENTS
     from quantpress.quantize import ggml
-    from quantpress.runtime import pick_device, rows_per_batch
+    from quantpress.devices import pick_device, rows_per_batch
     from quantpress.targets.eval import LOGITS_BUDGET
     from quantpress.targets.exl2 import pass_memory
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import MEASUREMENT_FILE, ModelJob, OutputJob
 from quantpress.errors import InputError, RoundTripError
-from quantpress.runtime import pick_device
+from quantpress.devices import pick_device
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
 
 #: output kinds that are models (evaluated with ``eval = true``)
@@ -437,7 +437,7 @@ def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
 def lane_budget() -> int:
     """Bytes of working memory the stages running at once in a local run may take together:
     half of MemAvailable now (unbounded where /proc does not tell)."""
-    from quantpress.runtime import available_memory
+    from quantpress.memory import available_memory
 
     return (available_memory() or 1 << 62) // 2
 

@@ -42,8 +42,8 @@ from quantpress.calibration import engine
 from quantpress.calibration.checkpoint import LayerCheckpoint, code_digest
 from quantpress.convert import loaders
 from quantpress.errors import InputError
-from quantpress.runtime import (DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype,
-                                rows_per_batch, trim_heap)
+from quantpress.devices import DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype, rows_per_batch
+from quantpress.memory import trim_heap
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ both also above the baseline of the interpreter with torch, transformers and the
 
 Each mode runs with glibc's default allocator settings and with
 ``MALLOC_MMAP_THRESHOLD_=131072``; the streaming pass also with ``malloc_trim(0)`` after every
-layer, which is what ``quantize imatrix`` and ``quantize eval`` do (``quantpress.runtime.trim_heap``). By default glibc raises its mmap threshold (up to 32 MiB)
+layer, which is what ``quantize imatrix`` and ``quantize eval`` do (``quantpress.memory.trim_heap``). By default glibc raises its mmap threshold (up to 32 MiB)
 after large blocks are freed, so later tensors of a few MiB come from the heap, and the heap
 keeps freed memory that RSS still counts: the streaming engine, which frees a layer's weights
 and temporaries at every step, then shows RSS growing over the layers although what is live
@@ -87,7 +87,7 @@ def child(mode: str, model_dir: Path, rows: int, seqlen: int, batch_rows: int, s
         t0 = time.perf_counter()
         sm = engine.StreamingModel(model_dir, "cpu", torch.float32)
         col = StatsCollector(kinds={"sq"}, prefix=sm.layer_prefix)
-        from quantpress.runtime import trim_heap
+        from quantpress.memory import trim_heap
 
         engine.run(sm, toks, hooks_factory=col, batch_size=batch_rows, hidden_device="cpu", progress=False,
                    on_layer=trim_heap if trim else None, keep_inputs=False)

@@ -24,7 +24,7 @@ from bench_common import use_tests
 use_tests()                         # tests/ggml_ref.py: llama.cpp's codecs
 import ggml_ref  # noqa: E402
 from quantpress.quantize import ggml  # noqa: E402
-from quantpress.runtime import bound_heap  # noqa: E402
+from quantpress.memory import bound_heap  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 

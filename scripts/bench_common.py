@@ -328,7 +328,7 @@ def libraries_baseline(model: str | Path) -> int:
     above it are the model's and the data's."""
     from quantpress.calibration import engine
     from quantpress.convert import loaders
-    from quantpress.runtime import trim_heap
+    from quantpress.memory import trim_heap
 
     sm = engine.StreamingModel(model)
     tok = loaders.find_loader(Path(model)).tokenizer(Path(model))
@@ -371,7 +371,7 @@ class PhaseWatch:
 
     def observe(self, stage: str, event: str) -> None:
         """A runner stage starts or ends (``quantpress.targets.base.STAGE_OBSERVERS``)."""
-        from quantpress.runtime import trim_heap
+        from quantpress.memory import trim_heap
 
         if event == "start":
             trim_heap()

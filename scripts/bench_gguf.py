@@ -263,7 +263,7 @@ import sys, time, torch
 from pathlib import Path
 from quantpress.convert import gguf_file
 from quantpress.quantize.ggml.processes import start_codec_processes
-from quantpress.runtime import bound_heap
+from quantpress.memory import bound_heap
 from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
 src, policy, dev, out, im = sys.argv[1:6]
 dev = torch.device(dev)
@@ -288,7 +288,7 @@ import collections, sys, time, torch
 from pathlib import Path
 from quantpress.convert import gguf_file, gguf_roundtrip
 from quantpress.quantize.ggml.processes import start_codec_processes
-from quantpress.runtime import bound_heap
+from quantpress.memory import bound_heap
 from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
 src, policy, dev, out, im = sys.argv[1:6]
 dev = torch.device(dev)

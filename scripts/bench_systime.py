@@ -7,7 +7,7 @@ A calibrated pass costs the same per decoder layer whatever the depth, so the mo
 its first ``--layers`` decoder layers (config.json's ``num_hidden_layers`` and a
 model.safetensors without the later layers' tensors: ``bench_common.truncated_model``); the
 per-layer temporaries ([rows, seqlen, hidden] float32: 151 MB for SmolLM2 at 128 x 512, above
-glibc's mmap threshold of 64 MiB that ``quantpress.runtime.bound_heap`` sets) are full size.
+glibc's mmap threshold of 64 MiB that ``quantpress.memory.bound_heap`` sets) are full size.
 Each verb's times are the child's ``getrusage(RUSAGE_CHILDREN)`` difference: wall, user and
 system seconds, minor page faults, and the system share of wall time (the bound: under 10%).
 Verbs:

@@ -43,7 +43,6 @@ exp f32                       model forward (softmax, SiLU) of every calibrated 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess

@@ -303,10 +303,10 @@ def codec_lanes(counts: list[int]) -> None:
     """Q4_K of 65536 x 256 (16.8 M weights) on ``counts`` lanes: the calling thread and n - 1
     threads of the codec pool, then the calling thread and n - 1 codec processes
     (``quantize.ggml.processes``); wall and CPU seconds (the processes' included), best of 3,
-    with glibc's heap as a GGUF target sets it (``runtime.bound_heap``)."""
+    with glibc's heap as a GGUF target sets it (``memory.bound_heap``)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common, processes
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     x = torch.randn(65536, 256, generator=torch.Generator().manual_seed(0))
@@ -517,7 +517,7 @@ def dequantizers() -> None:
     then gguf-py's dequantization of about 4M values, over the whole chunk and per piece
     (``convert.gguf_roundtrip.gguf_py_decoder``)."""
     from quantpress.quantize import ggml
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -577,7 +577,7 @@ def weighted_codecs() -> None:
     targets bound it."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml.common import all_finite, sqrtf, sqrtf_checked
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -610,7 +610,7 @@ def compiled_steps() -> None:
             print(f"compiled steps, {what}: {float(sec):5.1f} s in a fresh process (usable: {ok})")
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import compiled_searches as cs
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -786,7 +786,7 @@ def first_extremes() -> None:
     Q4_0, Q4_1, Q5_0, Q5_1, Q6_K and Q3_K of 2M values (one thread, best of four)."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import common, legacy
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -827,7 +827,7 @@ def levels_bytes() -> None:
     50, one thread, heap bounded; then Q4_K and Q6_K of 2M values."""
     from quantpress.quantize import ggml
     from quantpress.quantize.ggml import kquants
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -907,7 +907,7 @@ def q3_slices() -> None:
     ``common.CPU_SLICE_ELEMENTS`` (2^18) elements, through ``common.map_block_slices`` as the
     codec runs (one thread, heap bounded, alternating, four runs each, the bytes compared)."""
     from quantpress.quantize.ggml import common, kquants
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)
@@ -967,7 +967,7 @@ def round_trip(model: Path) -> None:
     pieces of whole chunks (``VERIFY_CHUNK_ELEMENTS``); two runs each, alternating (the
     sources read once before, so all find them in the page cache)."""
     from quantpress.convert import gguf_roundtrip
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
     from quantpress.targets.gguf import plan_from_hf
 
     bound_heap()
@@ -1007,7 +1007,7 @@ def check_costs() -> None:
     ``gguf_roundtrip.writer_figures``). Nanoseconds per value, for Q4_K, Q6_K, Q5_0, Q8_0."""
     from quantpress.convert import gguf_roundtrip as rt
     from quantpress.quantize import ggml
-    from quantpress.runtime import bound_heap
+    from quantpress.memory import bound_heap
 
     bound_heap()
     torch.set_num_threads(1)

@@ -563,7 +563,7 @@ def test_dataset_folder_and_name(tmp_path, monkeypatch):
 
 def heap_check() -> None:
     """The body of the test below, run in a fresh interpreter (exit 0, 3: not applicable)."""
-    from quantpress.runtime import MMAP_THRESHOLD, TRIM_KEEP, anon_rss, bound_heap, trim_heap
+    from quantpress.memory import MMAP_THRESHOLD, TRIM_KEEP, anon_rss, bound_heap, trim_heap
 
     if not bound_heap() or anon_rss() is None:
         raise SystemExit(3)

@@ -17,7 +17,6 @@ on the CPU (issue 56 item 9).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess

@@ -20,7 +20,7 @@ from quantpress.convert import gguf_arch, gguf_file
 from quantpress.convert.gguf_file import PendingKVs, write_gguf_many
 from quantpress.convert.gguf_tokenizer import UnknownPreTokenizer
 from quantpress.errors import EXIT_BAD_INPUT, InputError
-from quantpress.runtime import fork_call
+from quantpress.workers import fork_call
 from quantpress.targets import gguf as gguf_target
 
 

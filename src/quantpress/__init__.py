@@ -2,8 +2,9 @@
 
 Layers, bottom to top (a module imports only from its own layer and those below):
 
-- :mod:`quantpress.errors`, :mod:`quantpress.runtime`, :mod:`quantpress.assets`: exit-code
-  errors, devices/dtypes/heap, cached downloads;
+- :mod:`quantpress.errors`, :mod:`quantpress.devices`, :mod:`quantpress.memory`,
+  :mod:`quantpress.workers`, :mod:`quantpress.assets`: exit-code errors, devices/dtypes and
+  batch sizing, glibc's heap, the worker pool, cached downloads;
 - :mod:`quantpress.quantize`: codecs, pure tensor math (ggml types, AWQ, GPTQ, EXL2);
 - :mod:`quantpress.calibration`: calibration text, the layer-streaming engine, statistics,
   AWQ per layer, EXL2 measurement and bit allocation, perplexity / KL divergence;

@@ -289,7 +289,7 @@ def model_info(job: ModelJob) -> registry.ModelInfo:
     safetensors headers and config.json (no weight is read)."""
     from quantpress.calibration.engine import SafetensorsDir
     from quantpress.convert.gguf_arch import load_hf_config
-    from quantpress.runtime import pick_device
+    from quantpress.devices import pick_device
 
     st = SafetensorsDir(job.source)
     shapes = {k: tuple(st.shape(k)) for k in st.keys()}
@@ -330,7 +330,7 @@ def estimate(job: ModelJob) -> dict:
       logits batch, ``targets.eval.LOGITS_BUDGET``, counting its float64 copy as two, and
       both models' kept hidden states)."""
     from quantpress.calibration.engine import side_by_side_threads
-    from quantpress.runtime import rows_per_batch
+    from quantpress.devices import rows_per_batch
     from quantpress.targets.eval import LOGITS_BUDGET
 
     info = model_info(job)

@@ -6,22 +6,22 @@ two stages in threads of one process wait on each other's interpreter lock, each
 dispatch holding it (``scripts/micro_figures.py`` prints what a codec slice's dispatches cost
 beyond its work); in another process they do not. The child runs at the lowest CPU priority (nice 19, :data:`SIDE_NICE`) on one torch
 intra-op thread, so it takes the cycles the pass leaves idle, and its bytes are those of the
-same stage run anywhere else; it dies with its parent (Linux ``PR_SET_PDEATHSIG``), so a
-killed batch leaves no writer behind. It keeps one
+same stage run anywhere else; it is a worker of :mod:`quantpress.workers` (spawned), so it
+dies with its parent and a killed batch leaves no writer behind. It keeps one
 :class:`~quantpress.targets.eval.Evaluation` per model: the source is scored once, each
 stage's outputs as that stage finishes.
 
-The protocol is :mod:`multiprocessing`'s pipe with pickled tuples; the parent
+The protocol is the worker pool's pipe with pickled tuples (a failed request's exception
+carries the child's traceback, :func:`quantpress.workers.sendable`); the parent
 (:func:`quantpress.batch.runner.run_model`) decides what runs where and when, and alone
 records outcomes and writes the manifest.
 """
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from typing import Any, Callable
 
-from quantpress.runtime import die_with_parent, sendable
+from quantpress.workers import sendable, start_worker
 
 #: CPU priority (nice value) of the side lane's process
 SIDE_NICE = 19
@@ -36,7 +36,6 @@ def _serve(conn) -> None:
     ``("done", exception or None)`` per request. Ends when the pipe closes."""
     import os
 
-    die_with_parent()
     try:
         os.setpriority(os.PRIO_PROCESS, 0, max(SIDE_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
     except (OSError, AttributeError):
@@ -88,14 +87,11 @@ class SideLane:
     def __init__(self):
         self._proc = None
         self._conn = None
+        self._worker = None
 
     def _spawn(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), name="quantpress-side", daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        self._worker = start_worker(_serve, name="quantpress-side", method="spawn")
+        self._proc, self._conn = self._worker.proc, self._worker.conn
 
     @property
     def pid(self) -> int | None:
@@ -131,9 +127,5 @@ class SideLane:
     def close(self) -> None:
         """End the child (it finishes nothing more)."""
         if self._proc is not None:
-            self._conn.close()
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
-            self._proc = self._conn = None
+            self._worker.close(10)
+            self._proc = self._conn = self._worker = None

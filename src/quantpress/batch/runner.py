@@ -35,7 +35,7 @@ from typing import Any, Callable
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import OutputJob
 from quantpress.errors import InputError, RoundTripError
-from quantpress.runtime import pick_device
+from quantpress.devices import pick_device
 from quantpress.targets.base import Outcome, Source, options_json, produce_many
 # the plan of a run (defined in .stages; importable from here as before)
 from quantpress.batch.stages import (CALIBRATED, CALIBRATION_PASS, EVAL, ModelPlan, Stage,  # noqa: F401

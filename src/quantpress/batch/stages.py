@@ -13,7 +13,7 @@ from typing import Callable
 from quantpress.batch import manifest as mf
 from quantpress.batch.jobfile import ModelJob, OutputJob
 from quantpress.errors import InputError
-from quantpress.runtime import pick_device
+from quantpress.devices import pick_device
 from quantpress.targets.base import options_json
 
 
@@ -190,7 +190,7 @@ def stage_memory(plan: ModelPlan) -> Callable[[Stage], int]:
 def lane_budget() -> int:
     """Bytes of working memory the stages running at once in a local run may take together:
     half of MemAvailable now (unbounded where /proc does not tell)."""
-    from quantpress.runtime import available_memory
+    from quantpress.memory import available_memory
 
     return (available_memory() or 1 << 62) // 2
 

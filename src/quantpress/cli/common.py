@@ -18,7 +18,7 @@ from typing import Callable, NoReturn
 
 from quantpress.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ROUND_TRIP, InputError,
                                RoundTripError)
-from quantpress.runtime import DEFAULT_BATCH_TOKENS
+from quantpress.devices import DEFAULT_BATCH_TOKENS
 
 
 def _first_line(e: BaseException) -> str:

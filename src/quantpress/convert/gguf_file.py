@@ -27,7 +27,7 @@ from quantpress.quantize.ggml import common as ggml_common
 from quantpress.quantize.ggml.common import intra_op_threads
 from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
-from quantpress.runtime import trim_heap
+from quantpress.memory import trim_heap
 
 from .gguf_roundtrip import RoundTrip, SourceTensor, cores_taken, watch_round_trip
 from .hf import check_finite
@@ -89,10 +89,10 @@ class PlanChanged(Exception):
 
 class PendingKVs:
     """A file's KVs still being computed elsewhere (a forked process,
-    :func:`quantpress.runtime.fork_call`), for :func:`write_gguf_many`, which quantizes the
+    :func:`quantpress.workers.fork_call`), for :func:`write_gguf_many`, which quantizes the
     first tensors while it waits.
 
-    ``call``: a :class:`quantpress.runtime.ForkedCall` whose value is ``(key, kvs)``;
+    ``call``: a :class:`quantpress.workers.ForkedCall` whose value is ``(key, kvs)``;
     ``key``: what the writer's tensors (names, shapes, transforms) were derived from, as the
     caller computed it without the metadata: :meth:`get` raises :class:`PlanChanged` when the
     call's key differs. ``pending + more`` appends KVs to the ones computed."""
@@ -446,7 +446,7 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
                         watch.written(index, t, raw, x if device.type != "cpu" else None)
             raws.clear()
             window.clear()
-            trim_heap()     # (only past TRIM_KEEP of growth: see runtime.bound_heap)
+            trim_heap()     # (only past TRIM_KEEP of growth: see memory.bound_heap)
 
         size, limit = 0, _window_elements(device)
         reader = None

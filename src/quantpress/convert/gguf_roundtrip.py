@@ -40,8 +40,7 @@ from gguf import quants as gguf_quants
 from quantpress.errors import InputError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml.common import serial_codecs, single_threaded_ops
-from quantpress.quantize.ggml.processes import codec_process_ends
-from quantpress.runtime import SharedArea, announce_ready, can_fork_workers, fork_worker, sendable, wait_ready
+from quantpress.workers import SharedArea, Worker, announce_ready, can_fork_workers, sendable, start_worker, wait_ready
 
 
 @dataclass
@@ -743,9 +742,9 @@ class _Staging(SharedArea):
             self._live.popleft()
 
 
-def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
-    """A checker process's loop (:func:`quantpress.runtime.fork_worker`): closes the
-    ``inherited`` pipe ends, touches ``staging`` and answers ``("ready",)`` (the writer copies
+def _serve_checks(conn, staging: _Staging) -> None:
+    """A checker process's loop (:func:`quantpress.workers.start_worker`, which closed the
+    pipe ends of its siblings): touches ``staging`` and answers ``("ready",)`` (the writer copies
     nothing into the area before). Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, (r0,
     r1), source)`` (rows ``[r0, r1)`` of tensor ``index``, a part of :func:`check_parts`;
@@ -758,14 +757,12 @@ def _serve_checks(conn, staging: _Staging, inherited: list) -> None:
     layout is not as planned, or it is not in the file: ``mismatches`` says which), whether
     the tensor was in the file, the check's (t0, t1) span in ``time.monotonic`` seconds (the
     first check of a file also the parse's), the exception it raised (or None) and the
-    process id. Ends when the pipe closes: with the inherited ends closed, the writer's exit,
-    however it ends, closes it. (Not ``PR_SET_PDEATHSIG``: it fires when the forking thread
-    ends, and the checkers outlive the thread that started them.)"""
-    for end in inherited:
-        end.close()
+    process id. Ends when the pipe closes (the writer's exit, however it ends, closes it) or
+    with the writer (:mod:`quantpress.workers`' shutdown)."""
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
-    announce_ready(conn, staging)       # its pages now exist: the writer's copies do not fault them in
+    if not announce_ready(conn, staging):   # its pages now exist: the writer's copies do not fault them in
+        return
     files: dict[int, dict] = {}
     while True:
         try:
@@ -841,6 +838,7 @@ class _Checker:
     staging: _Staging
     pending: list = field(default_factory=list)    # (watch, staging range / None / False) per check waiting
     ready: bool = False                             # its ("ready",) was read: its area may be written
+    worker: Worker | None = None                    # the pool's handle (proc and conn are its)
 
 
 class CheckerProcesses:
@@ -865,9 +863,8 @@ class CheckerProcesses:
         self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
         while len(self._checkers) < n:
             staging = _Staging(max(64, STAGING_BYTES // n, STAGING_BYTES // 4))
-            proc, conn = fork_worker(_serve_checks, staging, [c.conn for c in self._checkers] + codec_process_ends(),
-                                     f"quantpress-check-{len(self._checkers)}")
-            self._checkers.append(_Checker(proc, conn, staging))
+            w = start_worker(_serve_checks, (staging,), f"quantpress-check-{len(self._checkers)}")
+            self._checkers.append(_Checker(w.proc, w.conn, staging, worker=w))
 
     def open(self, watch: "RoundTripProcessWatch", n: int) -> list[_Checker]:
         """Give ``watch`` a key and announce its file to ``n`` checkers, those serving the
@@ -949,12 +946,9 @@ class CheckerProcesses:
         """End the checkers (each at its next request, or killed after 5 s) and unmap their
         staging areas; the object is unusable afterwards."""
         for c in self._checkers:
-            c.conn.close()
+            c.worker.forget()
         for c in self._checkers:
-            c.proc.join(5)
-            if c.proc.is_alive():
-                c.proc.kill()
-                c.proc.join()
+            c.worker.close()
         for c in self._checkers:
             c.staging.close()
         self._checkers = []
@@ -990,7 +984,7 @@ class CheckerProcesses:
         c.pending = []
         if c in self._checkers:
             self._checkers.remove(c)
-        c.conn.close()
+        c.worker.forget()
         c.staging.close()
 
     def _take(self, timeout: float | None) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from quantpress.calibration import awq as cawq
 from quantpress.convert import awq_dir
 from quantpress.errors import InputError, RoundTripError
-from quantpress.runtime import bound_heap, trim_heap
+from quantpress.memory import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Summary, Target, WriterShare, reference_pass
 from quantpress.targets.options import option

@@ -20,7 +20,8 @@ from quantpress.calibration import engine
 from quantpress.calibration import eval as ceval
 from quantpress.convert import loaders
 from quantpress.errors import InputError
-from quantpress.runtime import bound_heap, pick_device, pick_dtype, rows_per_batch, trim_heap
+from quantpress.devices import pick_device, pick_dtype, rows_per_batch
+from quantpress.memory import bound_heap, trim_heap
 from quantpress.targets.base import ComputeOptions, default_cal_dir
 
 #: bytes of float32 logits computed at once from final hidden states (the KL step holds about

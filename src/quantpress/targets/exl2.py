@@ -49,7 +49,7 @@ from quantpress.calibration import exl2_measurement as mfile
 from quantpress.convert import exl2_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import exl2 as qexl2
-from quantpress.runtime import available_memory, bound_heap, trim_heap
+from quantpress.memory import available_memory, bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Source, Summary, Target, WriterShare, reference_pass
 from quantpress.targets.options import option

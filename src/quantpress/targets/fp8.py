@@ -30,7 +30,7 @@ from quantpress.calibration.stats import StatsCollector
 from quantpress.convert import awq_dir, fp8_dir
 from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import fp8
-from quantpress.runtime import bound_heap, trim_heap
+from quantpress.memory import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.base import Run, Summary, Target, WriterShare, reference_pass
 from quantpress.targets.options import option

@@ -40,7 +40,8 @@ from quantpress.errors import InputError, RoundTripError
 from quantpress.quantize import ggml
 from quantpress.quantize.ggml import compiled_searches
 from quantpress.quantize.ggml.processes import start_codec_processes
-from quantpress.runtime import bound_heap, fork_call
+from quantpress.memory import bound_heap
+from quantpress.workers import fork_call
 from quantpress.targets.base import Run, Summary, Target, check_output
 from quantpress.targets.imatrix import ImatrixOptions
 from quantpress.targets.options import from_table, option
@@ -210,7 +211,7 @@ def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = Non
 
     ``overlap``: where this process runs no other thread, compute the metadata (transformers'
     import, config and tokenizer: most of the time before any tensor is read) in a forked
-    process (:func:`quantpress.runtime.fork_call`) and plan the tensors from ``config.json``
+    process (:func:`quantpress.workers.fork_call`) and plan the tensors from ``config.json``
     as it is (:func:`quantpress.convert.gguf_arch.raw_hf_config`); the plan's ``kvs`` is then
     a :class:`quantpress.convert.gguf_file.PendingKVs`, which the writer waits for while it
     quantizes the first tensors, and which raises ``PlanChanged`` if transformers' config

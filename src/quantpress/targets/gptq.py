@@ -23,7 +23,7 @@ from quantpress.calibration import gptq as cgptq
 from quantpress.calibration.awq import LinearResult
 from quantpress.convert import awq_dir, gptq_dir
 from quantpress.errors import InputError, RoundTripError
-from quantpress.runtime import bound_heap, trim_heap
+from quantpress.memory import bound_heap, trim_heap
 from quantpress.targets import hfdir
 from quantpress.targets.awq import group_bytes
 from quantpress.targets.base import Run, Summary, Target, WriterShare, options_json

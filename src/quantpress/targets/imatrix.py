@@ -21,7 +21,7 @@ from quantpress.calibration.stats import StatsCollector
 from quantpress.convert import gguf_arch
 from quantpress.convert.imatrix_file import Imatrix, from_stats, read_imatrix, write_imatrix
 from quantpress.errors import InputError, RoundTripError
-from quantpress.runtime import bound_heap, trim_heap
+from quantpress.memory import bound_heap, trim_heap
 from quantpress.targets.base import Run, Source, Summary, Target, reference_pass
 from quantpress.targets.registry import Estimate, Verb
 

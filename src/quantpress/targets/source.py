@@ -13,7 +13,7 @@ from quantpress.calibration import data as cdata
 from quantpress.calibration import engine
 from quantpress.convert import loaders
 from quantpress.errors import InputError
-from quantpress.runtime import (DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype,
+from quantpress.devices import (DEFAULT_BATCH_TOKENS, check_device, pick_device, pick_dtype,
                                 rows_per_batch)
 
 

@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any, Callable
 
 from quantpress.calibration import engine
-from quantpress.runtime import trim_heap
+from quantpress.memory import trim_heap
 from quantpress.targets.source import Source
 
 

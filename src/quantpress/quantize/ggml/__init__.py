@@ -17,14 +17,13 @@ codec (their blocks side by side), for accelerators, where a codec's cost is its
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-from gguf import GGMLQuantizationType
 
 from . import common, processes
 from .common import fdiv, seq_sum0
+from .registry import GGMLType, get, names, register  # noqa: F401 - the package's API
 
 # elements processed per chunk by quantize()/dequantize() off the CPU: bounds the temporaries
 # of the search-based K-quants (a handful of float32 copies of the chunk) independently of
@@ -37,73 +36,6 @@ from .common import fdiv, seq_sum0
 CHUNK_ELEMENTS = 1 << 22
 #: :data:`CHUNK_ELEMENTS` for quantize()/quantize_many() on an accelerator
 ACCEL_CHUNK_ELEMENTS = 1 << 25
-
-
-@dataclass(frozen=True)
-class GGMLType:
-    """One ggml type.
-
-    ``block_size`` is elements per block, ``type_size`` bytes per block.
-    ``quantize_blocks``: float32 [nb, block_size] -> uint8 [nb, type_size] (any float dtype
-    is taken and widened to float32 exactly: on the CPU one slice at a time,
-    ``common.map_block_slices``).
-    ``dequantize_blocks``: uint8 [nb, type_size] -> float32 [nb, block_size].
-    ``quantize_blocks_weighted``: the path ``ggml_quantize_chunk`` takes with an importance
-    matrix (``quantize_row_<type>_impl``), or None when the type ignores it (Q8_0, F16 …):
-    ``(x float32 [nb, block_size], qw float32 [nb, block_size], row_sigma2 float32 [nb, 1] or
-    None) -> uint8 [nb, type_size]``, where ``qw`` holds the imatrix entries of each block's
-    columns and ``row_sigma2`` C's ``sum_x2/n_per_row`` of the block's whole row (sequential
-    float32 sum, one division; only computed for types with ``weighted_uses_row_sigma2``:
-    the legacy types' sigma² is per row, the others' per super-block).
-    ``needs_imatrix``: llama.cpp refuses the type without one (the very low-bit i-quants).
-    """
-
-    name: str
-    block_size: int
-    type_size: int
-    quantize_blocks: Callable[[torch.Tensor], torch.Tensor]
-    dequantize_blocks: Callable[[torch.Tensor], torch.Tensor]
-    quantize_blocks_weighted: Callable[..., torch.Tensor] | None = None
-    weighted_uses_row_sigma2: bool = False
-    needs_imatrix: bool = False
-
-    @property
-    def type_id(self) -> int:
-        """ggml_type enum value (``gguf.GGMLQuantizationType``)."""
-        return int(GGMLQuantizationType[self.name])
-
-    @property
-    def bpw(self) -> float:
-        """Bits per weight of the encoding (``8 * type_size / block_size``)."""
-        return 8.0 * self.type_size / self.block_size
-
-    def row_bytes(self, n: int) -> int:
-        """Bytes of one row of ``n`` elements; raises ValueError if n % block_size != 0."""
-        if n % self.block_size:
-            raise ValueError(f"{self.name}: row length {n} is not a multiple of the block size {self.block_size}")
-        return n // self.block_size * self.type_size
-
-
-_REGISTRY: dict[str, GGMLType] = {}
-
-
-def register(t: GGMLType) -> GGMLType:
-    """Add a type to the registry (called by the codec modules at import)."""
-    _REGISTRY[t.name] = t
-    return t
-
-
-def get(name: str) -> GGMLType:
-    """The :class:`GGMLType` called ``name`` (e.g. ``"Q4_K"``); KeyError names the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown ggml type {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-
-
-def names() -> list[str]:
-    """Names of all registered types."""
-    return list(_REGISTRY)
 
 
 #: on the CPU quantize_many() hands blocks with importance weights to the codec this many

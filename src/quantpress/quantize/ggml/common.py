@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import processes, triton_searches
+from . import triton_searches
 
 
 def nearest_int(x: torch.Tensor) -> torch.Tensor:
@@ -329,6 +329,18 @@ CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 CPU_CODEC_THREADS = 4
 
 
+# how the search codecs' slices reach the codec processes: quantize.ggml.processes (which
+# builds on this module) registers its map_slices here at its import; None: threads only
+_process_slices: list = [None]
+
+
+def use_codec_processes(map_slices) -> None:
+    """Register the function that deals a search codec's CPU slices to codec processes
+    (``quantize.ggml.processes.map_slices``'s signature: the results in row order, or None
+    when the call cannot go there), called by :func:`map_block_slices`; None: threads only."""
+    _process_slices[0] = map_slices
+
+
 _threads_local = threading.local()
 # torch gives a thread its intra-op thread count at the thread's first use of it, from the
 # count last set by any thread: have the importing (main) thread take the process's count now,
@@ -466,7 +478,9 @@ def map_block_slices(fn, x: torch.Tensor, *more, search: bool = False, slice_fac
         workers = min(threads, CPU_CODEC_THREADS, max(2, -(-nb // per)) if nb * k >= least else 1)
         alone = workers < 2 or getattr(_pool_local, "worker", False)
         # the codec processes (when started), one lane per thread torch had; None: threads
-        outs = None if alone or not search else processes.map_slices(fn, part, nb, per, threads, x, more)
+        to_processes = _process_slices[0]
+        outs = (None if alone or not search or to_processes is None
+                else to_processes(fn, part, nb, per, threads, x, more))
         if outs is None and alone:
             outs = [part(i, per) for i in range(0, nb, per)]
         elif outs is None:

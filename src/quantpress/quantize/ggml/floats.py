@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import GGMLType, register
+from .registry import GGMLType, register
 
 
 def _q_f32(x: torch.Tensor) -> torch.Tensor:

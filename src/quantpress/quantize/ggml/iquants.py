@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import GGMLType, register
+from .registry import GGMLType, register
 from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, nearest_int, seq_sum0, sliced, sqrtf
 
 QK4_NL = 32

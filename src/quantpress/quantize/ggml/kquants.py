@@ -30,7 +30,8 @@ import contextlib
 import numpy as np
 import torch
 
-from . import GGMLType, compiled_searches, register, triton_searches
+from . import compiled_searches, triton_searches
+from .registry import GGMLType, register
 from .common import all_finite, bytes_fp16, f32, fdiv, first_absmax, fp16_bytes, fp16_round, nearest_int, seq_sum0, sliced, sqrtf, to_int8
 
 QK_K = 256

@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import torch
 
-from . import GGMLType, register
+from .registry import GGMLType, register
 from .common import (ROUNDF_SMALL, bytes_fp16, c_float_to_int, fdiv, first_absmax, fp16_bytes, roundf,
                      roundf_small, sliced, sqrtf, to_int8)
 

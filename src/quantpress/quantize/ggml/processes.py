@@ -1,15 +1,13 @@
 """Codec processes: forked workers that run the CPU slices of the search-based block codecs
 (K-quants, i-quants) beside the calling thread, without sharing its GIL.
 
-The codecs are thousands of small torch ops per slice, and each op's dispatch holds the GIL:
-two threads of one process quantized Q4_K of 16.8 M weights in 0.52 s against 0.75 s on one
-(1.44x, with 21% more CPU time), the calling thread and one codec process in 0.40 s (1.88x;
-2-core AMD EPYC, ``scripts/micro_figures.py --lanes 1,2``; 0.59 s and 0.53 s in a later run,
-when the host's second core was slower). :func:`start_codec_processes` forks the workers (a GGUF
+The codecs are thousands of small torch ops per slice, and each op's dispatch holds the GIL,
+so two threads of one process gain less than a thread and a process
+(``scripts/micro_figures.py --lanes 1,2`` compares them). :func:`start_codec_processes` forks the workers (a GGUF
 target calls it once its plan is made, where its codecs keep every core); :func:`map_slices` then
 deals a codec's slices to the calling thread, which takes them from the end of the tensor,
 and to the workers, which a feeder thread serves from the front as their answers come. Each
-worker has a shared area (``runtime.SharedArea``, which the worker touches and then answers
+worker has a shared area (``workers.SharedArea``, which the worker touches and then answers
 ``("ready",)``, before anything is copied into it) of two slots: a slice's tensors are copied into a free slot, the worker
 runs the codec there and writes the result back into the slot after them. A worker has a
 second slice waiting while many remain, one near the end (so that the lanes finish together).
@@ -17,10 +15,14 @@ second slice waiting while many remain, one near the end (so that the lanes fini
 The codecs are the plain functions of ``quantize.ggml``, found again in the worker by module
 and name (as the fork left them); every block is quantized on its own, so the bytes do not
 depend on which process quantized which slice. A codec's exception in a worker is raised in
-the caller; a worker that dies fails the call with RuntimeError naming it (the next GGUF
-target forks a new one). Workers end when this process closes their pipes or dies: each
-closes the ends of its siblings' pipes that the fork gave it (so do the round trip's checker
-processes, :func:`codec_process_ends`).
+the caller with the worker's traceback in its ``__cause__``; a worker that dies fails the call
+with RuntimeError naming it (the next GGUF target forks a new one). The workers are
+:mod:`quantpress.workers`' (its protocol, shared areas and shutdown: they end when this
+process closes their pipes, exits or is killed, or receives SIGINT or SIGTERM).
+
+This module builds on :mod:`.common` and registers :func:`map_slices` there at its import
+(``common.use_codec_processes``), so that the codecs reach the workers without importing
+this module.
 """
 from __future__ import annotations
 
@@ -34,7 +36,14 @@ import threading
 
 import torch
 
-from quantpress.runtime import SharedArea, announce_ready, can_fork_workers, fork_worker, sendable, wait_ready
+from quantpress.workers import SharedArea, Worker, announce_ready, can_fork_workers, sendable, start_worker, wait_ready
+
+from . import common
+
+# Q4_K of 16.8 M weights (scripts/micro_figures.py --lanes 1,2, 2-core AMD EPYC): 0.75 s on
+# one thread, 0.52 s on two threads of one process (1.44x, with 21% more CPU time), 0.40 s on
+# the calling thread and one codec process (1.88x; 0.59 s and 0.53 s in a later run, when the
+# host's second core was slower)
 
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True
@@ -46,8 +55,9 @@ MAX_WORKERS = 15
 
 
 class _Worker:
-    def __init__(self, proc, conn, area: SharedArea):
-        self.proc, self.conn, self.area = proc, conn, area
+    def __init__(self, worker: Worker, area: SharedArea):
+        self.worker, self.area = worker, area
+        self.proc, self.conn = worker.proc, worker.conn
         self.ready = False                  # its ("ready",) was read: its area may be written
         self.slot = AREA_BYTES // 2
         self.free = [0, 1]
@@ -80,21 +90,19 @@ def _resolve(ref: tuple[str, str, bool]):
     return obj.__wrapped__ if wrapped else obj
 
 
-def _serve(conn, area: SharedArea, inherited: list) -> None:
+def _serve(conn, area: SharedArea) -> None:
     """A worker's loop: touches its area, answers ``("ready",)``; then requests: ``(fn reference, args, slot start, slot end)``, ``args`` the
     codec's arguments with each tensor replaced by ``("area", start, dtype, shape)``, the first
     being the codec's input slice, which it is given in float32 when floating
     (``common.map_block_slices`` sends it as it is, e.g. float16). Answers
     ``("area", start, dtype, shape)`` (the result, written into the slot after the inputs),
     ``("value", ndarray)`` (a result larger than what the slot has left) or ``("error", e)``.
-    Ends when the pipe closes."""
-    from quantpress.quantize.ggml import common
-
-    for end in inherited:
-        end.close()
+    Ends when the pipe closes (:func:`quantpress.workers.start_worker` closed its siblings'
+    ends, so this process's death closes it)."""
     torch.set_num_threads(1)
     common.serial_codecs().__enter__()      # a codec calling another runs its slices here
-    announce_ready(conn, area)
+    if not announce_ready(conn, area):
+        return
     while True:
         try:
             ref, args, start, end = conn.recv()
@@ -139,8 +147,7 @@ def start_codec_processes(n: int | None = None) -> int:
         try:
             while len(_workers) < n:
                 area = SharedArea(AREA_BYTES)
-                proc, conn = fork_worker(_serve, area, [w.conn for w in _workers], f"quantpress-codec-{len(_workers)}")
-                _workers.append(_Worker(proc, conn, area))
+                _workers.append(_Worker(start_worker(_serve, (area,), f"quantpress-codec-{len(_workers)}"), area))
         except OSError:
             pass
         return len(_workers)
@@ -150,20 +157,11 @@ def close_codec_processes() -> None:
     """End the codec workers (each at its next request, or killed after 5 s)."""
     with _lock:
         for w in _workers:
-            w.conn.close()
+            w.worker.forget()
         for w in _workers:
-            w.proc.join(5)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join()
+            w.worker.close()
             w.area.close()
         _workers.clear()
-
-
-def codec_process_ends() -> list:
-    """This process's ends of its codec workers' pipes (a process forked from this one
-    closes them, so that the workers end with this process)."""
-    return [w.conn for w in _workers] if _owner[0] == os.getpid() else []
 
 
 def codec_process_ids() -> list[int]:
@@ -172,12 +170,11 @@ def codec_process_ids() -> list[int]:
 
 
 def _bury(w: _Worker) -> RuntimeError:
-    w.proc.join(5)
     if w in _workers:
         _workers.remove(w)
-    w.conn.close()
+    error = w.worker.died("codec process")
     w.area.close()
-    return RuntimeError(f"codec process {w.proc.name} died (exit code {w.proc.exitcode})")
+    return error
 
 
 def map_slices(fn, part, nb: int, per: int, lanes: int, x: torch.Tensor,
@@ -287,7 +284,7 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
             failures.append(e)
             for w in workers:       # their answers could be read by the next call: end them
                 if w in _workers:
-                    w.proc.kill()
+                    w.worker.kill()
                     _bury(w)
 
     feeder = threading.Thread(target=feed, name="quantpress-codec-feeder", daemon=True)
@@ -305,3 +302,11 @@ def _run(fn, ref, part, pieces, x, more, workers) -> list[torch.Tensor]:
     if failures:
         raise failures[0]
     return outs
+
+
+def _slices_here_or_there(*args):
+    # common.map_block_slices's way to the codec processes (looked up at each call)
+    return map_slices(*args)
+
+
+common.use_codec_processes(_slices_here_or_there)

@@ -20,19 +20,27 @@ once and cached under quantpress's cache root.
 - ``smollm2_gguf("f16"|"q8_0")``: SmolLM2-135M-Instruct converted by llama.cpp's own
   ``convert_hf_to_gguf.py --outtype f16`` (and ``llama_model_quantize`` to Q8_0), cached
   under ``<cache>/ref/smollm2-gguf/``: reference inputs for tests and benchmarks.
+- ``cached_files()`` / ``cached_value()``: llama.cpp's outputs (``convert_hf``'s conversions,
+  the tests' llama-quantize, llama-imatrix and llama-perplexity runs) kept under
+  ``<cache>/ref/outputs/`` by a key over the input files' bytes, the exact arguments and
+  :func:`tool_key`, so that a run on a machine with a filled cache does not repeat them and a
+  fresh machine runs each once (``QUANTPRESS_REF_CACHE=0`` runs them again, storing nothing).
 
 Usage: ``python scripts/llamacpp_tools.py [--install-libs]`` builds (once) and prints the bin
 directory; ``--install-libs`` also copies the libraries into the ``llama_cpp`` package.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from quantpress import assets
@@ -140,11 +148,23 @@ def smollm2_gguf(outtype: str = "f16") -> Path:
     return q8
 
 
-def convert_hf(model_dir: Path, out: Path, outtype: str = "f16", extra: tuple[str, ...] = ()) -> Path:
+def convert_hf(model_dir: Path, out: Path, outtype: str = "f16", extra: tuple[str, ...] = (),
+               cache: bool = True) -> Path:
     """``convert_hf_to_gguf.py MODEL_DIR --outtype OUTTYPE --outfile OUT [EXTRA...]``
     (offline, the pinned source of :func:`llamacpp_src`; ``extra`` e.g. ``("--split-max-tensors",
     "20")``, which writes ``OUT``'s stem ``-00001-of-0000N.gguf`` and on instead); returns
-    ``out``. Raises RuntimeError with the end of the converter's stderr when it fails."""
+    ``out``. Raises RuntimeError with the end of the converter's stderr when it fails.
+
+    ``cache``: the files are kept by :func:`cached_files` under a key over every file of
+    ``model_dir``, its name (the converter names the model after the directory when the
+    config does not), ``outtype``, ``extra`` and :func:`tool_key` ``"convert"``;
+    the directory's full path is left out (the converter writes only its name), so the
+    same model built in another temporary directory of the same name hits."""
+    model_dir = Path(model_dir)
+    if cache:
+        return cached_files("convert", ["convert", model_dir.name, outtype, *extra],
+                            [model_dir], out,
+                            lambda o: convert_hf(model_dir, o, outtype, extra, cache=False))
     env = dict(os.environ, HF_HUB_OFFLINE="1")     # (the script puts its own gguf-py first)
     res = subprocess.run([sys.executable, str(llamacpp_src() / "convert_hf_to_gguf.py"), str(model_dir),
                           "--outtype", outtype, "--outfile", str(out), *extra],
@@ -178,6 +198,150 @@ def _quantize_q8_0(f16: Path, q8: Path) -> None:
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize(Q8_0) returned {rc}")
         t.rename(q8)
+
+
+# --------------------------------------------------------------------------- reference cache
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, or of a directory's files (relative path and digest of
+    each, sorted); remembered per (path, size, mtime) within the process, as the same inputs
+    (SmolLM2's 270 MB F16 GGUF) are keyed by many calls. FileNotFoundError if absent."""
+    p = Path(path)
+    if p.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(f for f in p.rglob("*") if f.is_file()):
+            h.update(f"{f.relative_to(p)}\0{file_digest(f)}\n".encode())
+        return h.hexdigest()
+    st = p.stat()
+    k = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if k not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[k] = h.hexdigest()
+    return _DIGESTS[k]
+
+
+def tool_key(kind: str) -> str:
+    """What a reference output depends on besides its inputs and arguments: the pinned
+    llama-cpp-python version and, by ``kind``, ``"convert"``: the versions of the Python
+    packages ``convert_hf_to_gguf.py`` runs with (torch, transformers, numpy, safetensors,
+    tokenizers: the script loads the tokenizer and casts with them); ``"tools"``: the digest
+    of the built binaries and libraries of :func:`tools` (the tool build: a rebuild with other
+    flags or another compiler is another key); ``"bindings"``: the digest of the libraries the
+    installed ``llama_cpp`` package loads (:func:`bindings_lib_dir`). ValueError otherwise."""
+    parts = [f"llama-cpp-python {LLAMA_CPP_PYTHON}", kind]
+    if kind == "convert":
+        from importlib.metadata import PackageNotFoundError, version
+
+        for pkg in ("torch", "transformers", "numpy", "safetensors", "tokenizers", "sentencepiece"):
+            try:
+                parts.append(f"{pkg} {version(pkg)}")
+            except PackageNotFoundError:
+                parts.append(f"{pkg} -")
+    elif kind == "tools":
+        d = tools()
+        parts += [f"{f.name} {file_digest(f)}" for f in sorted(d.iterdir()) if f.is_file()]
+    elif kind == "bindings":
+        d = bindings_lib_dir()
+        parts += [f"{f.name} {file_digest(f)}" for f in sorted(d.glob("lib*.so*")) if f.is_file()]
+    else:
+        raise ValueError(f"tool kind {kind!r}: convert, tools or bindings")
+    return "\n".join(parts)
+
+
+def _enabled() -> bool:
+    return os.environ.get("QUANTPRESS_REF_CACHE", "1") != "0"
+
+
+def _entry(kind: str, parts: Iterable[str], inputs: Iterable[Path]) -> Path:
+    """``<cache>/ref/outputs/<kind>/<key>``: the key is 24 hex digits of a SHA-256 over
+    :func:`tool_key` of ``kind``, the arguments ``parts`` and the digest of each input."""
+    h = hashlib.sha256(tool_key(kind).encode())
+    h.update(json.dumps([str(p) for p in parts]).encode())
+    for p in inputs:
+        h.update(file_digest(Path(p)).encode())
+    return assets.cache_root() / "ref" / "outputs" / kind / h.hexdigest()[:24]
+
+
+def _fill(entry: Path, produce: Callable[[Path], None]) -> None:
+    """Under the entry's lock: ``produce(staging directory)``, then the directory renamed to
+    ``entry`` (a reader sees a whole entry or none; a crash leaves only a ``.tmp-*``
+    directory, which nothing reads)."""
+    def fill() -> None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+        try:
+            produce(staging)
+            os.rename(staging, entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    assets.fill_once(f"ref-{entry.parent.name}-{entry.name}", entry.is_dir, fill)
+
+
+def cached_files(kind: str, parts: Iterable[str], inputs: Iterable[Path], out: Path,
+                 produce: Callable[[Path], object]) -> Path:
+    """``out`` (and any file ``produce`` writes beside it whose name starts with ``out``'s
+    stem, e.g. a split's ``-00001-of-00003`` parts) made by ``produce(path)``, which writes the
+    reference output at ``path`` (``ref`` + ``out``'s suffix, in a fresh directory); kept in
+    the cache (:func:`_entry` of ``kind``, ``parts``, ``inputs``: ``parts`` must hold every
+    argument that reaches the bytes, paths included where the tool records them in its
+    output; the output's own name is not part of the key, as none of the tools records it)
+    and copied to ``out``'s directory under ``out``'s stem. Returns ``out``. Whatever
+    ``produce`` raises propagates and nothing is stored."""
+    out = Path(out)
+    parts, inputs = list(parts), list(inputs)
+    if not _enabled():
+        produce(out)
+        return out
+    entry = _entry(kind, [*parts, out.suffix], inputs)
+    def make(d: Path) -> None:
+        produce(d / f"ref{out.suffix}")
+        if not any(d.iterdir()):
+            raise RuntimeError(f"{kind} reference {parts}: nothing was written")
+
+    _fill(entry, make)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for f in sorted(entry.iterdir()):
+        shutil.copyfile(f, out.parent / (out.stem + f.name[len("ref"):]))
+    return out
+
+
+def cached_value(kind: str, parts: Iterable[str], inputs: Iterable[Path], compute: Callable[[], object]):
+    """``compute()``'s JSON-serialisable result (figures or facts read from a reference run:
+    llama-perplexity's perplexities, the tensor types of a llama-quantize output), kept in the
+    cache as :func:`cached_files` keeps files (``value.json`` in the entry)."""
+    parts, inputs = list(parts), list(inputs)
+    if not _enabled():
+        return compute()
+    entry = _entry(kind, parts, inputs)
+
+    def produce(d: Path) -> None:
+        (d / "value.json").write_text(json.dumps(compute()))
+
+    _fill(entry, produce)
+    return json.loads((entry / "value.json").read_text())
+
+
+def stable_copy(path: Path) -> Path:
+    """A copy of the file ``path`` at ``<cache>/ref/inputs/<key>/<name>`` (the key over its name
+    and bytes), a path that is the same wherever and whenever the same file is copied: for
+    inputs whose *path* a reference tool records in its output (llama-quantize's
+    ``quantize.imatrix.file``, llama-imatrix's dataset name), so that the output, and its
+    cache key, do not change with a test's temporary directory. Returns ``path`` itself when
+    the cache is off."""
+    path = Path(path)
+    if not _enabled():
+        return path
+    key = hashlib.sha256(f"{path.name}\0{file_digest(path)}".encode()).hexdigest()[:24]
+    entry = assets.cache_root() / "ref" / "inputs" / key
+    _fill(entry, lambda d: shutil.copyfile(path, d / path.name))
+    return entry / path.name
 
 
 if __name__ == "__main__":

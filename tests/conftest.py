@@ -47,6 +47,16 @@ def synth_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_vocab_llama_dir(tmp_path_factory) -> Path:
+    """The synthetic llama's decoder (16 layers, hidden 256, ffn 768, GQA 2, untied) with a
+    384-token byte-fallback BPE tokenizer (:func:`synth.small_tokenizer`): embedding and head
+    of 384 rows, so that a llama-quantize comparison costs the decoder's work, not the
+    vocabulary's. llama-quantize's type rules read widths, layer counts and heads, not the
+    row count, so every rule the SmolLM2-tokenizer model exercises is exercised."""
+    return synth.make_small_vocab_llama(tmp_path_factory.mktemp("small_vocab") / "synth_llama_v384")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Synthetic llama with 2 layers (fast), hidden 256, GQA, untied."""
     return synth.make_model(tmp_path_factory.mktemp("tiny_llama"), "llama", smollm2_dir, num_hidden_layers=2)

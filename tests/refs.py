@@ -1,19 +1,60 @@
 """Run llama.cpp itself as the reference: its quantizer (llama_model_quantize from
-llama-cpp-python 0.3.36) and readers of the files it writes. Its converter
-(convert_hf_to_gguf.py from the pinned source) is ``scripts/llamacpp_tools.convert_hf``."""
+llama-cpp-python 0.3.36, and the ``llama-quantize`` / ``llama-imatrix`` tools built from the
+same source) and readers of the files it writes. Its converter (convert_hf_to_gguf.py from
+the pinned source) is ``scripts/llamacpp_tools.convert_hf``. Every reference output is kept in
+the cache by a key over its inputs' bytes, its arguments and the tool build
+(``llamacpp_tools.cached_files``): a second run does not repeat it."""
 from __future__ import annotations
 
 import ctypes
 import math
 import mmap
 import struct
+import subprocess
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+import llamacpp_tools
+
 
 def ref_quantize(src: Path, out: Path, policy: str, nthread: int = 2) -> Path:
-    """``llama_model_quantize(src, out, ftype=LLAMA_FTYPE_MOSTLY_<policy>)``."""
+    """``llama_model_quantize(src, out, ftype=LLAMA_FTYPE_MOSTLY_<policy>)`` (default
+    parameters, ``nthread`` threads), cached by ``src``'s bytes, the policy, ``nthread`` and the
+    bindings' libraries; returns ``out``. AssertionError if llama.cpp returns non-zero."""
+    return llamacpp_tools.cached_files("bindings", ["llama_model_quantize", policy, nthread],
+                                       [src], out, lambda o: _quantize(src, o, policy, nthread))
+
+
+def llama_quantize(src: Path, out: Path, policy: str, *flags: str, inputs: tuple[Path, ...] = ()) -> Path:
+    """``llama-quantize [flags] SRC OUT POLICY 2`` (the CLI: it also records the imatrix keys),
+    cached by the bytes of ``src`` and of ``inputs`` (files named in ``flags``, e.g. the
+    ``--imatrix`` file), ``flags`` as given (llama-quantize records the imatrix *path*: pass
+    one from ``llamacpp_tools.stable_copy`` for the cache to hit) and the tool build. Returns
+    ``out``; AssertionError with the tool's output if it fails."""
+    def run(o: Path) -> None:
+        r = subprocess.run([str(llamacpp_tools.tool("llama-quantize")), *flags, str(src), str(o), policy, "2"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+
+    return llamacpp_tools.cached_files("tools", ["llama-quantize", *flags, policy, "2"],
+                                       [src, *inputs], out, run)
+
+
+def llama_imatrix(model: Path, text: Path, out: Path, *flags: str) -> Path:
+    """``llama-imatrix -m MODEL -f TEXT -o OUT [flags]``, cached by the bytes of ``model`` and
+    ``text``, ``text``'s path (written into the file as its dataset: pass one from
+    ``llamacpp_tools.stable_copy``), ``flags`` and the tool build. Returns ``out``;
+    CalledProcessError if the tool fails."""
+    def run(o: Path) -> None:
+        subprocess.run([str(llamacpp_tools.tool("llama-imatrix")), "-m", str(model), "-f", str(text),
+                        "-o", str(o), *flags], check=True, capture_output=True)
+
+    return llamacpp_tools.cached_files("tools", ["llama-imatrix", str(text), *flags],
+                                       [model, text], out, run)
+
+
+def _quantize(src: Path, out: Path, policy: str, nthread: int) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -22,7 +63,6 @@ def ref_quantize(src: Path, out: Path, policy: str, nthread: int = 2) -> Path:
     params.nthread = nthread
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
     assert rc == 0, f"llama_model_quantize({policy}) returned {rc}"
-    return out
 
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",

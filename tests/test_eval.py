@@ -197,13 +197,19 @@ def test_q8_perplexity_agrees_with_llama_perplexity(smollm2_q8, text_file, smoll
     4 differences in 5k tokens here, shifting later chunk boundaries), and its Q8_0 dot
     products also quantize the activations to Q8_0, which dequantized weights in float32 do
     not (see the F16 test below for the harness itself)."""
-    r = subprocess.run([str(llamacpp_tools.tool("llama-perplexity")), "-m", str(smollm2_q8), "-f", str(text_file),
-                        "-c", str(CTX), "-b", str(CTX), "--chunks", str(CHUNKS), "-t", "2"],
-                       capture_output=True, text=True, check=True)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    assert m, (r.stdout + r.stderr)[-2000:]
-    assert f"calculating perplexity over {CHUNKS} chunks, n_ctx={CTX}" in r.stdout + r.stderr
-    ref = float(m.group(1))
+    args = ["-c", str(CTX), "-b", str(CTX), "--chunks", str(CHUNKS), "-t", "2"]
+
+    def run() -> dict:   # (cached by the files' bytes, the arguments and the tool build)
+        r = subprocess.run([str(llamacpp_tools.tool("llama-perplexity")), "-m", str(smollm2_q8), "-f",
+                            str(text_file), *args], capture_output=True, text=True, check=True)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+        assert m, (r.stdout + r.stderr)[-2000:]
+        return {"ppl": m.group(1),
+                "chunks": f"calculating perplexity over {CHUNKS} chunks, n_ctx={CTX}" in r.stdout + r.stderr}
+
+    got = llamacpp_tools.cached_value("tools", ["llama-perplexity", *args], [smollm2_q8, text_file], run)
+    assert got["chunks"]
+    ref = float(got["ppl"])
     q8 = smollm2_eval.models[1]
     assert abs(q8.ppl["ppl"] - ref) / ref < 0.01, (q8.ppl["ppl"], ref)
     kl = q8.kl

@@ -10,7 +10,6 @@ legacy ``.dat``), so both readers are exercised. Bad input: one line, exit 2, no
 from __future__ import annotations
 
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from quantpress import assets
 from quantpress.calibration import data
 from quantpress.cli.convert_main import main as convert_main
 from quantpress.cli.quantize_main import main as quantize_main
+import refs
 from refs import kvs_of, tensors_of
 
 POLICIES = ["Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q4_0", "Q4_K_S", "Q4_K_M", "Q5_1", "Q5_K_M",
@@ -33,37 +33,39 @@ CASES = ([("llama", p) for p in POLICIES] + [("qwen3", "Q2_K_S"), ("qwen3", "IQ4
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, synth_llama_dir, synth_qwen3_dir):
+def inputs(tmp_path_factory, small_vocab_llama_dir, synth_qwen3_dir):
     """F16 GGUFs by llama.cpp's converter and an imatrix per model: ours for the synthetic
-    models (4 rows of 64 tokens), llama-imatrix's for SmolLM2 (2 chunks of 128 tokens), in
-    GGUF and legacy .dat."""
+    models (4 rows of 64 tokens; the llama with a 384-token byte-fallback BPE tokenizer,
+    ``small_vocab_llama_dir``, see :func:`test_small_vocabulary_plans_the_same_types`), llama-imatrix's for SmolLM2 (2 chunks of 128 tokens), in
+    GGUF and legacy .dat. The calibration text and the imatrix files lie at paths given by
+    their bytes (``llamacpp_tools.stable_copy``): llama-quantize records the imatrix's path
+    and llama-imatrix the text's, so the same inputs give the same reference bytes and
+    llama.cpp's outputs come from the cache on a second run."""
     d = tmp_path_factory.mktemp("gguf_imatrix")
     text = d / "calib.txt"
     text.write_text("\n\n".join(a.strip() for a in data.calibration_articles(assets.standard_cal_data())[:4]),
                     encoding="utf-8")
-    f16 = {"llama": llamacpp_tools.convert_hf(synth_llama_dir, d / "llama-f16.gguf"),
+    text = llamacpp_tools.stable_copy(text)
+    f16 = {"llama": llamacpp_tools.convert_hf(small_vocab_llama_dir, d / "llama-f16.gguf"),
            "qwen3": llamacpp_tools.convert_hf(synth_qwen3_dir, d / "qwen3-f16.gguf"),
            "smollm2": llamacpp_tools.smollm2_gguf("f16")}
     im = {}
-    for key, hf in (("llama", synth_llama_dir), ("qwen3", synth_qwen3_dir)):
-        im[key] = d / f"{key}.imatrix.gguf"
-        make.imatrix(hf, im[key], samples=4, seqlen=64, device="cpu", calib=str(text))
-    imatrix_tool = str(llamacpp_tools.tool("llama-imatrix"))
-    im["smollm2"] = d / "smollm2.imatrix.gguf"
-    im["smollm2.dat"] = d / "smollm2.imatrix.dat"
-    for out, fmt in ((im["smollm2"], "gguf"), (im["smollm2.dat"], "dat")):
-        subprocess.run([imatrix_tool, "-m", str(f16["smollm2"]), "-f", str(text), "-o", str(out),
-                        "-c", "128", "-b", "128", "--chunks", "2", "--no-ppl", "-t", "2",
-                        "--output-format", fmt], check=True, capture_output=True)
+    for key, hf in (("llama", small_vocab_llama_dir), ("qwen3", synth_qwen3_dir)):
+        made = d / f"{key}.imatrix.gguf"
+        make.imatrix(hf, made, samples=4, seqlen=64, device="cpu", calib=str(text))
+        im[key] = llamacpp_tools.stable_copy(made)
+    for key, fmt in (("smollm2", "gguf"), ("smollm2.dat", "dat")):
+        made = refs.llama_imatrix(f16["smollm2"], text, d / f"smollm2.imatrix.{fmt}", "-c", "128", "-b", "128",
+                                  "--chunks", "2", "--no-ppl", "-t", "2", "--output-format", fmt)
+        im[key] = llamacpp_tools.stable_copy(made)
     return {"f16": f16, "imatrix": im, "dir": d}
 
 
 def llama_quantize(src: Path, out: Path, policy: str, *flags: str) -> Path:
-    """``llama-quantize [flags] SRC OUT POLICY 2`` (the CLI: it also records the imatrix keys)."""
-    r = subprocess.run([str(llamacpp_tools.tool("llama-quantize")), *flags, str(src), str(out), policy, "2"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
-    return out
+    """``llama-quantize [flags] SRC OUT POLICY 2`` (:func:`refs.llama_quantize`, cached; the
+    files named in ``flags`` are part of its key)."""
+    files = tuple(Path(f) for f in flags if Path(f).is_file())
+    return refs.llama_quantize(src, out, policy, *flags, inputs=files)
 
 
 def assert_same_file(ours: Path, ref: Path) -> None:
@@ -83,6 +85,31 @@ def assert_same_file(ours: Path, ref: Path) -> None:
 def ours_quantize(src: Path, out: Path, policy: str, *flags: str) -> None:
     assert quantize_main(["gguf", str(src), "--policy", policy, "-o", str(out), "--quiet",
                           "--device", "cpu", *flags]) == 0
+
+
+def test_small_vocabulary_plans_the_same_types(inputs):
+    """The small-vocabulary llama stands for the SmolLM2-tokenizer one: with its embedding and
+    head given 49,152 rows (the only tensors that differ), every policy here plans the same
+    type for every tensor (llama-quantize's rules read row widths, layer counts and heads;
+    test_gguf_policy.py checks ``plan_types`` against llama-quantize on the 49,152-row model),
+    and the tokenizer is a real one: its tokens and merges are in the file."""
+    from dataclasses import replace
+
+    from quantpress.convert.gguf_policy import ModelParams, plan_types
+    from refs import gguf_header
+
+    kv, tensors = gguf_header(inputs["f16"]["llama"])
+    small = [(n, shape) for n, _, shape, _ in tensors]
+    vocab = {n: shape[0] for n, shape in small if n in ("token_embd.weight", "output.weight")}
+    assert set(vocab.values()) == {384}, vocab
+    big = [(n, (49152, *shape[1:]) if n in vocab else shape) for n, shape in small]
+    params = ModelParams(arch="llama", n_layer=16, n_head=4, n_head_kv=2, has_output=True)
+    for policy in POLICIES:
+        p = replace(params, has_imatrix=True)
+        assert plan_types(policy, small, p) == plan_types(policy, big, p), policy
+    assert kv["tokenizer.ggml.model"] == "llama" and kv["llama.vocab_size"] == 384
+    meta = kvs_of(inputs["f16"]["llama"])
+    assert len(meta["tokenizer.ggml.tokens"][1]) == 384 and "<0x41>" in meta["tokenizer.ggml.tokens"][1]
 
 
 @pytest.mark.parametrize("model,policy", CASES)
@@ -136,11 +163,11 @@ def test_legacy_dat_imatrix_and_filters(inputs, tmp_path):
     assert counts == [180, 36]
 
 
-def test_hf_to_gguf_with_imatrix_equals_convert_then_quantize(inputs, synth_llama_dir, tmp_path, capsys):
+def test_hf_to_gguf_with_imatrix_equals_convert_then_quantize(inputs, small_vocab_llama_dir, tmp_path, capsys):
     im = inputs["imatrix"]["llama"]
     ref = llama_quantize(inputs["f16"]["llama"], tmp_path / "ref.gguf", "Q4_K_M", "--imatrix", str(im))
     out = tmp_path / "ours.gguf"
-    assert convert_main(["hf-to-gguf", str(synth_llama_dir), "--policy", "Q4_K_M", "--imatrix", str(im),
+    assert convert_main(["hf-to-gguf", str(small_vocab_llama_dir), "--policy", "Q4_K_M", "--imatrix", str(im),
                          "-o", str(out), "--quiet", "--device", "cpu"]) == 0
     # tensors as llama-quantize's; the KVs keep the converter's order (general.file_type where
     # convert_hf_to_gguf.py puts it, not moved last as llama-quantize moves it), so compare

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import torch
 
+import llamacpp_tools
 import synth
 from quantpress.convert.gguf_arch import (UnknownTensorName, UnsupportedArchitecture,
                                count_parameters, generated_tensors, gguf_arch, gguf_tensor_name,
@@ -228,14 +229,34 @@ class Case:
 
 
 def _convert(src: Path, model_dir: Path, out: Path, wrapper: Path | None, fallback: str | None):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable]
-    if fallback is not None:
-        cmd += [str(wrapper), fallback]
-    cmd += [str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f16", "--outfile", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    return (out if proc.returncode == 0 and out.is_file() else None), proc.stderr
+    """(``out`` or None if the converter failed, its stderr): kept in the cache when it
+    succeeds (``llamacpp_tools.cached_files``: the model directory's files and name, the
+    fallback and the wrapper's text), its stderr beside it as ``OUT.stderr``."""
+    def run(o: Path) -> str:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable]
+        if fallback is not None:
+            cmd += [str(wrapper), fallback]
+        cmd += [str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f16", "--outfile", str(o)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not o.is_file():
+            raise _Failed(proc.stderr)
+        o.with_name(o.name + ".stderr").write_text(proc.stderr, encoding="utf-8")
+        return proc.stderr
+
+    try:
+        llamacpp_tools.cached_files("convert", ["convert-metadata", model_dir.name, fallback or "",
+                                                _WRAPPER if fallback else ""], [model_dir], out, run)
+    except _Failed as e:
+        return None, e.stderr
+    return out, out.with_name(out.name + ".stderr").read_text(encoding="utf-8")
+
+
+class _Failed(Exception):
+    def __init__(self, stderr: str):
+        super().__init__("convert_hf_to_gguf.py failed")
+        self.stderr = stderr
 
 
 CASE_NAMES = ["smollm2", "synth_llama", "synth_qwen2", "synth_qwen3",

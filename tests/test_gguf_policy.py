@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ctypes
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import gguf
 import pytest
 
+import llamacpp_tools
 import synth
 from llamacpp_tools import convert_hf
 from refs import gguf_header
@@ -214,7 +215,23 @@ def llama_cpp_mod():
 def quantize_and_read(refs: References, model: str, policy: str, tmp_path: Path,
                       imatrix: bool = False, readers=(read_gguf,)):
     """Quantize the model's F16 GGUF with llama.cpp, read the output (with each of
-    ``readers``; one reader: its result, else a list), and delete it."""
+    ``readers``; one reader: its result, else a list), and delete it. With the fast reader
+    alone, what it read is kept in the cache (``llamacpp_tools.cached_value``, keyed by the F16
+    file's bytes, the policy, the importance weights given and the bindings' libraries), so a
+    second run does not quantize again."""
+    if readers == (read_gguf,):
+        mode = ["empty"] if imatrix else ["none"]
+        if policy in NEEDS_IMATRIX:    # the tensors given weights of one (our is_quantizable picks them)
+            info = refs.info(model)
+            mode = ["ones", *(n for n in info.order if is_quantizable(n, info.shapes[n], info.params.arch))]
+        got = llamacpp_tools.cached_value(
+            "bindings", ["policy-types", policy, 2, *mode], [refs.gguf_path(model)],
+            lambda: _info_to_json(_quantize_and_read(refs, model, policy, tmp_path, imatrix, readers)))
+        return _info_from_json(got)
+    return _quantize_and_read(refs, model, policy, tmp_path, imatrix, readers)
+
+
+def _quantize_and_read(refs: References, model: str, policy: str, tmp_path: Path, imatrix, readers):
     dst = tmp_path / f"{model}-{policy}.gguf"
     if policy in NEEDS_IMATRIX:
         imatrix = refs.info(model)
@@ -224,6 +241,16 @@ def quantize_and_read(refs: References, model: str, policy: str, tmp_path: Path,
     finally:
         dst.unlink(missing_ok=True)
     return infos[0] if len(infos) == 1 else infos
+
+
+def _info_to_json(info: GGUFInfo) -> dict:
+    return {"order": info.order, "types": info.types, "shapes": info.shapes,
+            "params": asdict(info.params), "file_type": info.file_type}
+
+
+def _info_from_json(d: dict) -> GGUFInfo:
+    return GGUFInfo(d["order"], d["types"], {n: tuple(s) for n, s in d["shapes"].items()},
+                    ModelParams(**d["params"]), d["file_type"])
 
 
 @pytest.mark.parametrize("model,policy", QUANT_CASES)

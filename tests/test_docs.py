@@ -41,7 +41,7 @@ TIMINGS_ALLOWED_FOR_NOW = {
 }
 
 #: phrases that match the pattern without being a measurement: a time limit the code sets
-NOT_MEASUREMENTS = ("killed after 5 s",)
+NOT_MEASUREMENTS = ("killed after 5 s", "waits up to 5 s")
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 

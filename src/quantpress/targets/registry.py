@@ -19,6 +19,10 @@ from typing import Any, Callable
 #: :func:`load_plugins`: installed code only, never a path from the command line)
 PLUGIN_GROUP = "quantpress.targets"
 
+#: options type → the :class:`~quantpress.targets.target.Target` subclass that makes its
+#: outputs (filled by ``Target.__init_subclass__``)
+TARGETS: dict[type, type] = {}
+
 
 @dataclass(frozen=True)
 class Step:
@@ -126,15 +130,11 @@ class Estimate:
 
 def registered() -> list[type]:
     """Every registered target class, in job-file order (``job_order``, then registration)."""
-    from quantpress.targets.target import TARGETS
-
     return sorted(TARGETS.values(), key=lambda c: c.job_order)
 
 
 def verbs(command: str) -> list[tuple[type, Verb]]:
     """(target class, verb) of every verb of ``command``, in registration order."""
-    from quantpress.targets.target import TARGETS
-
     return [(cls, v) for cls in TARGETS.values() for v in cls.verbs if v.command == command]
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, ClassVar
 
 from quantpress.calibration.checkpoint import LayerCheckpoint
 from quantpress.errors import InputError
+from quantpress.targets.registry import TARGETS, Estimate
 from quantpress.targets.source import Source
 from quantpress.targets.summary import Run, Summary
 
@@ -109,8 +110,6 @@ class Target(abc.ABC):
         """``--dry-run``'s :class:`~quantpress.targets.registry.Estimate` of this kind's
         outputs ``options`` of one model (``info``: :class:`~quantpress.targets.registry.ModelInfo`).
         The default: the source's size on disk, no working memory of its own."""
-        from quantpress.targets.registry import Estimate
-
         return Estimate([2 * info.total for _ in options])
 
     def __init_subclass__(cls, *, kind: str, options: type, output_is_dir: bool = False, **kw):
@@ -178,10 +177,6 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def summary(self, out: Path, roundtrip: str, run: Run) -> Summary:
         """The :class:`Summary` of the finished output at ``out``."""
-
-
-#: options type → the :class:`Target` subclass that makes its outputs
-TARGETS: dict[type, type[Target]] = {}
 
 
 def target_for(options: Any) -> type[Target]:

@@ -134,8 +134,9 @@ def registered() -> list[type]:
 
 
 def verbs(command: str) -> list[tuple[type, Verb]]:
-    """(target class, verb) of every verb of ``command``, in registration order."""
-    return [(cls, v) for cls in TARGETS.values() for v in cls.verbs if v.command == command]
+    """(target class, verb) of every verb of ``command``, in job-file order (:func:`registered`:
+    GGUF, imatrix, AWQ, GPTQ, FP8, EXL2, then other kinds)."""
+    return [(cls, v) for cls in registered() for v in cls.verbs if v.command == command]
 
 
 def load_plugins() -> list[str]:

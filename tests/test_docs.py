@@ -30,16 +30,6 @@ TIMING = re.compile(
     r"|\d+(?:\.\d+)?x (?:faster|slower)\b"
     r"|\d\s*(?:GFLOP|TFLOP|tokens)/s\b")
 
-#: files other changes of issue 56 are rewriting at the same time; their timings are listed,
-#: with the figures, in docs/benchmarks.md ("Figures behind the code"). Temporary: the
-#: coordinator moves them out after merging those changes and empties this set (follow-up of
-#: issue 56, item 6).
-TIMINGS_ALLOWED_FOR_NOW = {
-    "targets/gguf.py", "cli/common.py", "runtime.py", "quantize/ggml/processes.py",
-    "quantize/ggml/common.py", "quantize/ggml/__init__.py", "convert/gguf_roundtrip.py",
-    "quantize/gptq.py", "calibration/awq.py", "calibration/exl2_alloc.py",
-}
-
 #: phrases that match the pattern without being a measurement: a time limit the code sets
 NOT_MEASUREMENTS = ("killed after 5 s", "waits up to 5 s")
 
@@ -141,13 +131,5 @@ def test_timing_pattern_finds_figures():
 def test_no_timings_in_docstrings_or_comments():
     bad = []
     for f in sorted(SRC.rglob("*.py")):
-        if str(f.relative_to(SRC)) in TIMINGS_ALLOWED_FOR_NOW:
-            continue
         bad += _timings(f)
     assert not bad, "measured timings belong in docs/benchmarks.md:\n" + "\n".join(bad)
-
-
-def test_allow_list_is_still_needed():
-    """Every allowed file still carries a timing: once one is cleaned, it leaves the list."""
-    clean = [name for name in sorted(TIMINGS_ALLOWED_FOR_NOW) if not _timings(SRC / name)]
-    assert not clean, f"no timings left in {clean}: remove them from TIMINGS_ALLOWED_FOR_NOW"

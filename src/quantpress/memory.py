@@ -46,9 +46,10 @@ def bound_heap() -> bool:
     the same and win when given."""
     # why not glibc's defaults (a sliding mmap threshold, a trim threshold of twice it), or an
     # 8 MiB threshold with a trim after every step: ``quantize awq`` of SmolLM2-135M, w4 g64,
-    # 8 x 128 calibration tokens on 2 cores spent a third of its wall time in the kernel,
+    # 8 x 128 calibration tokens on 2 cores spent much of its wall time in the kernel,
     # faulting in pages freed by the step before; these thresholds with one trim per layer
-    # took that to about a second (scripts/bench_awq.py, figures in docs/benchmarks.md)
+    # took that to a small fraction (scripts/bench_awq.py; figures in docs/benchmarks.md,
+    # "Figures behind the code", ``memory.py``)
     lib = _libc()
     if lib is None:
         return False

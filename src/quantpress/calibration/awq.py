@@ -152,10 +152,10 @@ def tensor_digest(t: torch.Tensor) -> str:
 LayerSink = Callable[[int, dict, list], None]
 
 #: tokens per slice of the scale search's candidate forwards on CPU (the unit of its pruning):
-#: float32 matmuls of SmolLM2's shapes run at 206-224 GFLOP/s from 512 tokens up on two
-#: cores (190-204 at 256); the search of SmolLM2's first 3 layers at 16 x 256 tokens took
-#: 3.33 s/layer with 1,024-token slices, 3.15 with 512, 3.83 unsliced (scripts/micro_figures.py;
-#: on 4 layers in another run 3.9 / 4.0 / 4.4: 512 and 1,024 are within noise)
+#: float32 matmuls of SmolLM2's shapes reach their full rate from 512 tokens up (slower at
+#: 256), and the search with 1,024-token slices was as fast as with 512 (within noise) and
+#: faster than unsliced; figures and the command in docs/benchmarks.md, "Figures behind the
+#: code", ``calibration/awq.py``
 SEARCH_SLICE_TOKENS = 1024
 
 

@@ -509,8 +509,9 @@ def allocate(slots, budget: int, *, numel: int | None = None, objective: str = "
     ≤ t} ≤ budget), then Σ err^power among the options whose err is ≤ that optimum.
 
     Time and memory per round: O(n_slots · n_options · grid) float64 operations, and
-    n_slots · (grid + 1) float64 + int16 tables (60 slots, 2^16 grid: about 40 MiB; SmolLM2-shaped
-    instances take 0.1–0.5 s, 160 slots 1–1.5 s on one CPU core).
+    n_slots · (grid + 1) float64 + int16 tables (60 slots, 2^16 grid: about 40 MiB; the time
+    of SmolLM2-shaped and of 160-slot instances on one CPU core is in docs/benchmarks.md,
+    "Figures behind the code", ``calibration/exl2_alloc.py``).
 
     Replaces exllamav2 0.3.2 ``conversion/optimize.py`` (same slots and budget, solved
     exactly rather than by simulated annealing; the fill-up pass is kept).

@@ -114,9 +114,9 @@ def exit_with(code: int) -> NoReturn:
     (transformers' modules, the tokenizer's vocabulary, the GGUF metadata: hundreds of
     thousands) are first frozen out of the garbage collector (``gc.freeze``), so that the
     interpreter's shutdown does not trace them all once more: SmolLM2's ``convert
-    hf-to-gguf`` to Q4_K_M took 5.28-5.65 s ended this way against 6.11-6.40 s with a plain
-    ``sys.exit`` on this project's 2-core machine (``scripts/micro_figures.py --exit``, three
-    runs each, alternating). Exit handlers run as usual."""
+    hf-to-gguf`` to Q4_K_M ends measurably sooner this way than with a plain ``sys.exit``
+    (figures and the command in docs/benchmarks.md, "Figures behind the code",
+    ``cli/common.py``). Exit handlers run as usual."""
     gc.freeze()
     sys.exit(code)
 

@@ -100,9 +100,10 @@ class GGUFFileReader(GGUFReader):
     """gguf-py's ``GGUFReader``, parsing the file exactly as it does, over a plain ndarray view
     of its memory map (kept as ``memmap``). gguf-py slices its ``data`` once or twice for every
     metadata value, and numpy's ``memmap`` subclass makes each slice run a Python-level
-    ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges took 1.9 s to
-    parse that way, 0.5 s over the plain view (scripts/micro_figures.py). Fields and tensors
-    are the same arrays' values (the tensors' ``data`` are ndarray views of the same map)."""
+    ``__array_finalize__``: SmolLM2's 49,152-token vocabulary and 48,900 merges parse several
+    times faster over the plain view (figures and the command in docs/benchmarks.md,
+    "Figures behind the code", ``convert/gguf_roundtrip.py``). Fields and tensors are the
+    same arrays' values (the tensors' ``data`` are ndarray views of the same map)."""
 
     @property
     def data(self) -> np.ndarray:
@@ -120,10 +121,11 @@ class GGUFTensorsReader(GGUFFileReader):
     (a tokenizer's vocabulary, merges and token types), whose extent alone is found: numbers
     in one read, strings by a walk over their lengths, each array kept as one part; their
     fields list no values (``field.data`` is empty). gguf-py's parse takes a few numpy
-    slices per element of an array: SmolLM2's Q8_0 file 0.67 s, 0.014 s this way
-    (``scripts/micro_figures.py --parse``), in every checker process, before its first
-    check. A wrong extent shifts what gguf-py reads next, so the tensor infos and the file
-    stop agreeing: the parse fails, and with it the round trip. It overrides gguf-py
+    slices per element of an array, far slower on SmolLM2's Q8_0 file than this way (figures
+    and the command in docs/benchmarks.md, "Figures behind the code",
+    ``convert/gguf_roundtrip.py``), a cost paid in every checker process, before its first
+    check. A wrong extent shifts what gguf-py reads next, so the tensor infos and the file stop
+    agreeing: the parse fails, and with it the round trip. It overrides gguf-py
     0.19.0's ``GGUFReader._get_field_parts`` (returns the field's byte size, its parts, the
     indices of its values among them, its types), the version pyproject.toml pins;
     ``tests/test_gguf_many.py`` compares the two parses."""
@@ -201,11 +203,10 @@ def gguf_py_decoder(tname: str) -> Callable[[np.ndarray], np.ndarray]:
 # rows of a chunk that the check (gguf-py's dequantization and ours, the bit comparison, the
 # error against the source) takes at a time on the CPU: about this many elements, so that
 # the pieces' float32 copies stay in the cache and no codec slices are concatenated.
-# verify_gguf of the 554M random llama's Q4_K_M on one thread: 3.95-4.07 s against
-# 4.34-5.32 s with whole chunks, SmolLM2's the same, 1.76-1.81 against 1.75-1.79 s, when
-# only our side went in pieces; with gguf-py's values per piece too (gguf_py_decoder),
-# 3.57-4.20 s against 4.41-4.68 s (scripts/micro_figures.py --round-trip [MODEL], two runs
-# each)
+# verify_gguf of the 554M random llama's Q4_K_M on one thread is faster this way than with
+# whole chunks (SmolLM2's the same within noise), also with gguf-py's values per piece
+# (gguf_py_decoder); figures and the command in docs/benchmarks.md, "Figures behind the
+# code", ``convert/gguf_roundtrip.py``
 CHECK_PIECE_ELEMENTS = 1 << 18
 
 
@@ -273,10 +274,10 @@ def drop_pages(reader: GGUFReader, rt, rows: tuple[int, int] | None = None) -> N
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether int32 tensors ``a`` and ``b`` (same shape, one device) hold the same values:
-    numpy's ``array_equal`` on the CPU (a piece of 2^18 values in the cache: 30 us against
-    168 us for torch.equal and 170 us for counting the differences through a bool tensor,
-    ``scripts/micro_figures.py --dequantize``), ``torch.equal`` elsewhere. The differences
-    are counted only where this finds some."""
+    numpy's ``array_equal`` on the CPU (on a piece of 2^18 values in the cache, several times
+    faster than torch.equal or counting the differences through a bool tensor: figures and the
+    command in docs/benchmarks.md, "Figures behind the code", ``convert/gguf_roundtrip.py``),
+    ``torch.equal`` elsewhere. The differences are counted only where this finds some."""
     if a.device.type == "cpu":
         return bool(np.array_equal(a.numpy(), b.numpy()))
     return torch.equal(a, b)
@@ -391,9 +392,9 @@ def row_checksums(values: torch.Tensor) -> torch.Tensor:
 def row_checksums_np(values: np.ndarray) -> np.ndarray:
     """:func:`row_checksums` of float32 ndarray ``values`` [rows, cols], int64 ndarray [rows,
     2] (the checkers' side): one float64 product with the [1, weight] columns (BLAS; exact,
-    every partial sum an integer below 2^53): 0.54-0.67 ns per value on one thread here,
-    against gguf-py's 0.63-2.82 for the same rows (``scripts/micro_figures.py
-    --check-costs``)."""
+    every partial sum an integer below 2^53): per value, at or below gguf-py's cost for the
+    same rows (figures and the command in docs/benchmarks.md, "Figures behind the code",
+    ``convert/gguf_roundtrip.py``)."""
     bits = values.view(np.int32)
     cols = bits.shape[1]
     weights = np.stack([np.ones(cols), np.arange(cols) % _checksum_period(cols) + 1.0], axis=1)
@@ -648,10 +649,10 @@ VERIFY_WORKERS = 8
 #: segment per tensor (whose fresh pages each source would fault in). It is also the
 #: backlog: the writer waits while no checker's area can hold the next source. Checks cost
 #: unlike their quantization, and a checker's first check waited for its parse of the file
-#: (SmolLM2's vocabulary: 0.5 s then, 0.014 s since :class:`GGUFTensorsReader`): SmolLM2's
-#: Q4_K_M stage on two cores took 2.37-2.49 s with 64 MiB, 2.14-2.15 s with 128 MiB,
-#: 1.88-2.16 s with these 256 MiB (its 28M-element float16 embedding and what is quantized
-#: during the parse; `scripts/bench_gguf.py --quantize-only --windows`, two runs each). A
+#: (SmolLM2's vocabulary, far longer then than since :class:`GGUFTensorsReader`): SmolLM2's
+#: Q4_K_M stage on two cores was fastest with these 256 MiB, against 64 and 128 MiB (its
+#: 28M-element float16 embedding and what is quantized during the parse; figures and the
+#: command in docs/benchmarks.md, "Figures behind the code", ``convert/gguf_roundtrip.py``). A
 #: larger source goes alone, in shared memory of its own, at most one per checker at a time.
 #: (An area shared by several checkers would free its room in order, so a slow check would
 #: hold back the room of the checks after it.)

@@ -35,8 +35,9 @@ MAX_ATTEMPTS = 10
 #: Scale search: p runs over MIN_P..MAX_P in P_GRID steps; error norm |err|^ERR_NORM.
 MIN_P, MAX_P, P_GRID, ERR_NORM = 0.70, 1.20, 96, 3.5
 #: Elements per scale-search chunk ([p, rows, N] float32 scratch): on CPU 2^19 (2 MiB each,
-#: they stay in cache: 3-4x faster than 2^23 on a 2-core AMD EPYC, and the same sums bit for
-#: bit for every chunking: tests/test_gptq_many.py); elsewhere 2^23 (fewer kernel launches).
+#: they stay in cache: several times faster than 2^23, figures in docs/benchmarks.md,
+#: "Figures behind the code", ``quantize/gptq.py``; the same sums bit for bit for every
+#: chunking: tests/test_gptq_many.py); elsewhere 2^23 (fewer kernel launches).
 SEARCH_ELEMENTS_CPU = 1 << 19
 SEARCH_ELEMENTS = 1 << 23
 
@@ -97,9 +98,10 @@ def hessian_inverse_factor(hessian: torch.Tensor, percdamp: float = PERCDAMP) ->
         if int(info) != 0:
             continue
         # the same product L⁻ᵀL⁻¹ as exllamav2's torch.cholesky_inverse(chol), rounded
-        # differently; on torch 2.13's CPU cholesky_inverse is ~3x faster (1536²: 33 against
-        # 93 ms on one thread, scripts/micro_figures.py), but switching changes the
-        # measurements and allocations the README's EXL2 figures come from (kept for now)
+        # differently; on torch 2.13's CPU cholesky_inverse is several times faster (figures
+        # and the command in docs/benchmarks.md, "Figures behind the code", quantize/gptq.py),
+        # but switching changes the measurements and allocations the README's EXL2 figures
+        # come from (kept for now)
         inv = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype, device=h.device), chol)
         if not all_finite(inv):
             continue
@@ -277,10 +279,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | HessianFactor | 
 
     On CPU the ops run with one intra-op thread (torch's setting is restored afterwards), as
     quantize/ggml's codecs do: the thousands of small sequential ops of the GPTQ loop stall in
-    OpenMP spin-waits otherwise (a 2048x2048 layer: 5 s single-threaded, 23 s with 2 threads
-    on a busy 2-core machine). The scale searches' elementwise passes (2^19-element chunks,
-    most of the time) get the thread count in effect before; their sums stay single-threaded,
-    so the chosen scales do not depend on it (:func:`scale_search_error`).
+    OpenMP spin-waits otherwise (a 2048x2048 layer is several times slower with 2 threads on a
+    busy 2-core machine than single-threaded: docs/benchmarks.md, "Figures behind the code",
+    ``quantize/gptq.py``). The scale searches' elementwise passes (2^19-element chunks, most of
+    the time) get the thread count in effect before; their sums stay single-threaded, so the
+    chosen scales do not depend on it (:func:`scale_search_error`).
     """
     return _run(weight, hessian, [qparams], rtn, percdamp)[0]
 

@@ -153,10 +153,9 @@ class GGUFPlan:
 
 #: convert hf-to-gguf computes the metadata (transformers' config and tokenizer) in a forked
 #: process while the writer quantizes the first tensors (:func:`plan_from_hf`'s ``overlap``);
-#: False: before any tensor, in this process. SmolLM2's Q4_K_M on this project's 2-core
-#: machine: 6.5-6.7 s against 7.1-7.3 s, with its imatrix 8.7-8.8 s against 10.5-10.9 s, the
-#: 554M random llama's 31.6-32.3 s against 34.4-37.5 s (whole processes, two runs each of
-#: ``scripts/bench_gguf.py --metadata-before``)
+#: False: before any tensor, in this process. Overlapping made the whole command faster for
+#: SmolLM2's Q4_K_M (more so with its imatrix) and for the 554M random llama (figures and
+#: the command in docs/benchmarks.md, "Figures behind the code", ``targets/gguf.py``)
 OVERLAP_METADATA = True
 
 

@@ -30,8 +30,9 @@ from .registry import GGMLType, get, names, register  # noqa: F401 - the package
 # the tensor size. On the CPU the codecs cut their input into cache-sized slices themselves
 # (common.map_block_slices), so a tensor is one chunk there (its slices then share out evenly
 # over the threads). Every block is quantized on its own, so results do not depend on the
-# chunking. On a GPU a K-quant's time is its op count (thousands of small kernels, ~15 ms
-# per call on an H200 whatever the size up to 4M elements: scripts/gpu_checks.py), so the
+# chunking. On a GPU a K-quant's time is its op count (thousands of small kernels, about the
+# same time per call whatever the size up to 4M elements: figures and the command in
+# docs/benchmarks.md, "Figures behind the code", ``quantize/ggml/__init__.py``), so the
 # chunks are large and quantize_many() fills them with the blocks of several tensors.
 CHUNK_ELEMENTS = 1 << 22
 #: :data:`CHUNK_ELEMENTS` for quantize()/quantize_many() on an accelerator
@@ -214,10 +215,10 @@ def dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
     step = _rows_per_chunk(n, rows.shape[0], raw.device)
     if step >= rows.shape[0]:
         # one chunk (always on the CPU): the codec's result as it is, not copied into ``out``
-        # (4.2M values on one thread, `scripts/micro_figures.py --dequantize`: Q4_K 4.4-4.5 ->
-        # 3.0 ms, Q6_K 5.2-5.3 -> 3.6-3.7, Q5_0 11.1-11.2 -> 9.5, Q8_0 2.4-2.7 -> 1.6-1.7,
-        # F16 1.1-1.2 -> 0.5), unless it is a view of ``raw`` (F32): the result is always the
-        # caller's own
+        # (the copy was a sizeable part of every type's dequantization: figures and the
+        # command in docs/benchmarks.md, "Figures behind the code",
+        # ``quantize/ggml/__init__.py``), unless it is a view of ``raw`` (F32): the result is
+        # always the caller's own
         y = t.dequantize_blocks(rows.reshape(-1, t.type_size))
         if y.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr():
             return y.reshape(*raw.shape[:-1], n)

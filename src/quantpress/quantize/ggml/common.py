@@ -91,11 +91,10 @@ def seq_sum0(p: torch.Tensor, out: torch.Tensor | None = None, from_first: bool 
     output from the identity +0 (numpy sums pairwise only along the fast axis in memory,
     numpy.sum's notes; a single column would be such an axis, hence the bound;
     tests/test_ggml_codecs.py checks the bits against one add at a time): one call, which
-    releases the GIL, instead of n - 1 torch adds, each with its dispatch. Q4_K's sums of
-    [32, 3, 8192] products 78 us against 125 us, of [32, 8192] errors 29 against 71; Q4_K of
-    2M values 142-146 ms against 156-158, Q5_0 with an imatrix (its row sums too) 71-78
-    against 86-90, Q6_K within the noise (one thread, ``scripts/micro_figures.py
-    --seq-sum``). On a CUDA device one Triton kernel (:func:`triton_searches.seq_sum`);
+    releases the GIL, instead of n - 1 torch adds, each with its dispatch: faster for Q4_K's
+    sums and for Q5_0 with an imatrix (its row sums too), Q6_K within the noise (figures and
+    the command in docs/benchmarks.md, "Figures behind the code", ``quantize/ggml/common.py``,
+    ``seq_sum0``). On a CUDA device one Triton kernel (:func:`triton_searches.seq_sum`);
     elsewhere the loop of adds, one vectorized op per position.
     """
     if (p.dtype == torch.float32 and p.dim() >= 2 and p.is_contiguous() and triton_searches.available(p)
@@ -186,18 +185,17 @@ def first_absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     the first maximal index (NaN counts as maximal there, so it is masked to 0 first).
 
     On the CPU, for a matrix (the legacy types' blocks of 32 along the last axis; the K- and
-    i-quants' sub-blocks of 16 or 32 positions along the first), torch's argmax costs ~65 ns
-    per row along the last axis and a comparison of every element with its maximum along the
+    i-quants' sub-blocks of 16 or 32 positions along the first), torch's argmax is costly per
+    row along the last axis and needs a comparison of every element with its maximum along the
     first: there the element is found from plain reductions instead (the largest and smallest
-    value, a few ns per row): max|x| is the larger of max and -min, the element is +max|x| if
-    the largest equals it, -max|x| if the smallest equals its negative; rows where both or
+    value, far cheaper per row): max|x| is the larger of max and -min, the element is +max|x|
+    if the largest equals it, -max|x| if the smallest equals its negative; rows where both or
     neither hold (+a and -a both present, or a NaN, which the reductions propagate) are
-    scanned, gathered. The per-row logic is NumPy's (on an [8192] row torch's comparison
-    takes 6.3 us and its ``any()`` 7.5, NumPy's 1.2 and 1.0: ``scripts/micro_figures.py
-    --numpy-searches``). [8192, 32] with ties and zero rows mixed in: 0.22 ms against 0.63
-    by argmax; [16, 16384] along the first axis, a seventh of the columns ties: 0.25 ms
-    against 0.39 by the weighted positions (``scripts/micro_figures.py --first-extremes``;
-    one thread).
+    scanned, gathered. The per-row logic is NumPy's (faster than torch's comparison and
+    ``any()`` on a row). This beats argmax along the last axis and the weighted positions along
+    the first, with ties and zero rows mixed in (figures and the commands in
+    docs/benchmarks.md, "Figures behind the code", ``quantize/ggml/common.py``,
+    ``first_absmax``).
     """
     if x.device.type == "cpu" and x.dim() == 2:
         d = dim % 2
@@ -245,9 +243,9 @@ def _first_absmax_by_argmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, to
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of the float tensor ``x`` is finite (True when empty): its
     smallest and largest are (torch's ``amin``/``amax`` propagate NaN). Two reductions with no
-    temporary: 2**19 float32 elements in 0.06 ms on one thread, against 0.94 ms for
-    ``torch.isfinite(x).all()`` (``scripts/micro_figures.py --weighted``). Synchronizes with
-    the device (returns a Python bool)."""
+    temporary, many times faster than ``torch.isfinite(x).all()`` (figures and the command in
+    docs/benchmarks.md, "Figures behind the code", ``quantize/ggml/common.py``,
+    ``all_finite``). Synchronizes with the device (returns a Python bool)."""
     if x.numel() == 0:
         return True
     return bool(torch.isfinite(torch.stack([x.amin(), x.amax()])).all())
@@ -258,11 +256,11 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
     shape (>= 0, or NaN/inf) -> float32 of the same shape, on ``x``'s device.
 
     ``torch.sqrt`` on float32 is not correctly rounded on every backend (torch 2.13's AVX-512
-    CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the
-    CPU this is NumPy's float32 square root, the processor's IEEE instruction (``sqrtps``/
-    ``vsqrtps``, NEON ``fsqrt``), correctly rounded: 0.36 ns per element against 7.2-7.5 ns
-    for :func:`sqrtf_checked` (one thread, 2**19 elements, ``scripts/micro_figures.py
-    --weighted``), which made Q5_0 with an imatrix 40-44 ns per weight instead of 54-61.
+    CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the CPU
+    this is NumPy's float32 square root, the processor's IEEE instruction (``sqrtps``/
+    ``vsqrtps``, NEON ``fsqrt``), correctly rounded, and far faster than :func:`sqrtf_checked`,
+    which made Q5_0 with an imatrix measurably faster (figures and the command in
+    docs/benchmarks.md, "Figures behind the code", ``quantize/ggml/common.py``, ``sqrtf``).
     Other devices: :func:`sqrtf_checked`.
     """
     if x.device.type != "cpu":
@@ -305,17 +303,17 @@ def sqrtf_checked(x: torch.Tensor) -> torch.Tensor:
 # of their input alive (a K-quant step touches ~8 of them), and slices of 2**18 elements
 # (1 MiB each) keep that working set in the cache while each elementwise op is long enough
 # that its dispatch stays small next to its work. With codec processes (no GIL between the
-# lanes) the working set is what counts: the 554M random llama's hf-to-gguf to Q4_K_M took
-# 24.7-25.9 s with 2**18 against 28.5-30.1 s with 2**19 on a 2-core AMD EPYC, SmolLM2's
-# (mostly Q5_0, bound by its metadata) 5.8-6.2 s against 5.8-6.1 s (scripts/micro_figures.py
-# --slices 18,19 [--slice-model]: three runs each, alternating, same bytes). On threads
-# alone (GIL-bound dispatch: where no codec processes run) an older run favoured 2**19: Q4_K
-# of 6.3 M weights on two threads 230 ms against 278 ms with 2**18 (scripts/micro_figures.py).
+# lanes) the working set is what counts: the 554M random llama's hf-to-gguf to Q4_K_M was
+# faster with 2**18 than with 2**19, SmolLM2's (mostly Q5_0, bound by its metadata) the same
+# within noise. On threads alone (GIL-bound dispatch: where no codec processes run) an older
+# run favoured 2**19. Figures and the commands in docs/benchmarks.md, "Figures behind the
+# code", ``quantize/ggml/common.py``, ``CPU_SLICE_ELEMENTS``.
 # Results do not depend on the slicing (blocks are independent).
 CPU_SLICE_ELEMENTS = 1 << 18
 # Below this many elements a codec call runs on the calling thread alone: handing a slice to
-# another thread costs more than it saves there (a 576 x 576 Q5_0 tensor: 1.2 ms alone,
-# 1.3-1.4 ms on two threads, scripts/micro_figures.py). The search-based codecs (K-quants,
+# another thread costs more than it saves there (a 576 x 576 Q5_0 tensor was slower on two
+# threads than alone: docs/benchmarks.md, "Figures behind the code",
+# ``quantize/ggml/common.py``, ``CPU_PARALLEL_ELEMENTS``). The search-based codecs (K-quants,
 # i-quants) spend 5-10x longer per element, so they share out from
 # CPU_PARALLEL_ELEMENTS_SEARCH (``sliced(search=True)``).
 CPU_PARALLEL_ELEMENTS = 1 << 20
@@ -323,9 +321,9 @@ CPU_PARALLEL_ELEMENTS_SEARCH = 1 << 18
 # Most threads a codec call deals its slices to: every op's dispatch holds the GIL, so past a
 # few threads they wait on each other more than they work (the codec processes of
 # quantize.ggml.processes, where started, have no such cap). Q4_K of 16384 x 4096 on the
-# 16-core Intel Xeon of an H200 box took 9.8 / 5.3 / 4.6 / 3.9 / 5.3 / 6.5 / 7.3 s on
-# 1 / 2 / 3 / 4 / 6 / 8 / 15 threads (the sweep of scripts/micro_figures.py --threads
-# 1,2,3,4,6,8,15, timed by the same code before it became that option).
+# 16-core Intel Xeon of an H200 box was fastest on 4 threads and slower on more (the sweep
+# and its command in docs/benchmarks.md, "Figures behind the code",
+# ``quantize/ggml/common.py``, ``CPU_CODEC_THREADS``).
 CPU_CODEC_THREADS = 4
 
 
@@ -398,8 +396,9 @@ def _pool_worker_init() -> None:
 
 def _codec_pool(workers: int) -> ThreadPoolExecutor:
     """The process's codec thread pool with at least ``workers`` threads, made once and kept
-    (a fresh thread's first torch ops are slow: a new pool per call cost ~8 ms, more than a
-    small tensor's whole quantization); each thread runs torch ops single-threaded."""
+    (a fresh thread's first torch ops are slow: a new pool per call cost more than a small
+    tensor's whole quantization, docs/benchmarks.md, "Figures behind the code",
+    ``quantize/ggml/common.py``); each thread runs torch ops single-threaded."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:

@@ -40,10 +40,10 @@ from quantpress.workers import SharedArea, Worker, announce_ready, can_fork_work
 
 from . import common
 
-# Q4_K of 16.8 M weights (scripts/micro_figures.py --lanes 1,2, 2-core AMD EPYC): 0.75 s on
-# one thread, 0.52 s on two threads of one process (1.44x, with 21% more CPU time), 0.40 s on
-# the calling thread and one codec process (1.88x; 0.59 s and 0.53 s in a later run, when the
-# host's second core was slower)
+# Why processes: on two cores, two threads of one process quantize Q4_K only modestly faster
+# than one thread (and spend more CPU time), the calling thread and one codec process clearly
+# faster than both (figures and the command in docs/benchmarks.md, "Figures behind the code",
+# ``quantize/ggml/processes.py``)
 
 #: False: never use codec processes (the codecs then share slices over threads only)
 USE_PROCESSES = True

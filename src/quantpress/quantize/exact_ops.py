@@ -12,9 +12,9 @@ not:
   EPYC, at every capability; ``scripts/cpu_determinism.py`` prints the rate on the machine
   it runs on). :func:`defined_sqrt` / :func:`defined_sqrt_` give the correctly rounded root:
   on the CPU from NumPy's float32 root, which is the processor's IEEE instruction
-  (``sqrtps``/``vsqrtps``, NEON ``fsqrt``); on CUDA torch's float32 ``sqrt`` (compiled
-  without fast math, so IEEE ``sqrt.rn``); elsewhere through the CPU. The same definition as
-  ``quantize.ggml.common.sqrtf``, which the GGUF codecs use (C's ``sqrtf``).
+  (``sqrtps``/``vsqrtps``, NEON ``fsqrt``), elsewhere torch's float64 root rounded to
+  float32 and checked exactly: they are ``quantize.ggml.common.sqrtf``, the root the GGUF
+  codecs use (C's ``sqrtf``), so one definition serves every format.
 * **a float32 reduction** (``sum``/``mean`` over a dimension) adds in an order that depends on
   torch's vector width (8 lanes at avx2, 16 at avx512), on the thread count and on the
   device. :func:`tree_sum_` adds in one fixed order, pairwise, each level one elementwise
@@ -42,27 +42,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantpress.quantize.ggml.common import sqrtf
+
 
 def defined_sqrt_(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded float32 square root of ``x`` in place; returns ``x``.
 
     ``x`` float32, any shape and device; negative inputs give NaN, ``sqrt(-0) = -0``,
-    ``sqrt(inf) = inf`` (IEEE-754 ``squareRoot``, C ``sqrtf``). On the CPU NumPy's float32
-    root (the processor's IEEE instruction), which is correctly rounded where torch 2.13's is
-    not (module docstring); on CUDA torch's own root (IEEE ``sqrt.rn``); on other devices the
-    CPU's, copied back. Raises TypeError for a dtype other than float32 (a float64 root
-    rounded to float32 would give the same bits, but is not what callers here need).
+    ``sqrt(inf) = inf`` (IEEE-754 ``squareRoot``, C ``sqrtf``): the GGUF codecs' root,
+    :func:`quantpress.quantize.ggml.common.sqrtf` (NumPy's float32 root on the CPU, torch's
+    float64 root rounded and checked exactly elsewhere), in ``x``. Raises
+    TypeError for a dtype other than float32.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"defined_sqrt_: expected a float32 tensor, got {x.dtype}")
-    if x.device.type == "cuda":
-        return x.sqrt_()
     if x.device.type == "cpu" and x.is_contiguous():
-        with np.errstate(invalid="ignore"):          # a negative input gives NaN, as sqrtf
-            a = x.numpy()
-            np.sqrt(a, out=a)
-        return x
-    return x.copy_(defined_sqrt(x.cpu()))
+        return sqrtf(x, out=x)
+    return x.copy_(sqrtf(x))
 
 
 def defined_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +66,7 @@ def defined_sqrt(x: torch.Tensor) -> torch.Tensor:
     shape and device); see :func:`defined_sqrt_`."""
     if x.dtype != torch.float32:
         raise TypeError(f"defined_sqrt: expected a float32 tensor, got {x.dtype}")
-    if x.device.type == "cuda":
-        return torch.sqrt(x)
-    out = x.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-    return defined_sqrt_(out).to(x.device)
+    return sqrtf(x)
 
 
 def sub_outer_(w: torch.Tensor, u: torch.Tensor, r: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

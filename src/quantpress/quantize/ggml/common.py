@@ -251,9 +251,10 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack([x.amin(), x.amax()])).all())
 
 
-def sqrtf(x: torch.Tensor) -> torch.Tensor:
+def sqrtf(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Correctly rounded float32 square root, as C ``sqrtf`` (``sqrtss``): float32 of any
-    shape (>= 0, or NaN/inf) -> float32 of the same shape, on ``x``'s device.
+    shape (>= 0, or NaN/inf) -> float32 of the same shape, on ``x``'s device; ``out``: a
+    contiguous float32 tensor of that shape to hold it (``x`` itself: in place), returned.
 
     ``torch.sqrt`` on float32 is not correctly rounded on every backend (torch 2.13's AVX-512
     CPU kernel misrounds 17-20% of inputs, ``scripts/micro_figures.py --weighted``). On the CPU
@@ -264,8 +265,9 @@ def sqrtf(x: torch.Tensor) -> torch.Tensor:
     Other devices: :func:`sqrtf_checked`.
     """
     if x.device.type != "cpu":
-        return sqrtf_checked(x)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return sqrtf_checked(x) if out is None else out.copy_(sqrtf_checked(x))
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
     with np.errstate(invalid="ignore"):     # (a negative input gives NaN, as sqrtf)
         np.sqrt(x.contiguous().numpy(), out=out.numpy())
     return out

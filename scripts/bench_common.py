@@ -217,9 +217,10 @@ def same_tensors(*paths: Path) -> bool:
     afterwards starts its peak RSS (``ru_maxrss``, which :func:`measure` reports) at this
     process's size (a later run's steps of ``bench_gguf.py --repeat`` reported 701 MiB for
     llama.cpp's 547 and 542 MiB)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from refs import tensors_of; "
-            "t = [tensors_of(p) for p in sys.argv[2:]]; sys.exit(0 if all(x == t[0] for x in t[1:]) else 1)")
-    return subprocess.run([PY, "-c", code, str(TESTS), *map(str, paths)]).returncode == 0
+    # tests/refs.py imports scripts/llamacpp_tools.py: both directories on the child's path
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; from refs import tensors_of; "
+            "t = [tensors_of(p) for p in sys.argv[3:]]; sys.exit(0 if all(x == t[0] for x in t[1:]) else 1)")
+    return subprocess.run([PY, "-c", code, str(TESTS), str(SCRIPTS), *map(str, paths)]).returncode == 0
 
 
 # ---- memory -----------------------------------------------------------------------------------

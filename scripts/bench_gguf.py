@@ -164,6 +164,7 @@ def main() -> int:
         "ours_stages_s": stages, "ours_requantize_s": mine_q[0], "ours_requantize_stages_s": stages_q,
         "ratio_total_ours_over_llamacpp": mine[0] / ref_total,
         "ratio_requantize_ours_over_llamacpp": mine_q[0] / quant[0],
+        "ratio_peak_pss_ours_over_llamacpp": mine[2] / max(conv[2], quant[2]),
         "ratio_total_per_run": [r["mine"][0] / (r["conv"][0] + r["quant"][0]) for r in runs],
         "identical_tensors": identical, "output_bytes": size,
     }
@@ -189,6 +190,8 @@ def main() -> int:
     print(f"  ratio ours/llama.cpp end to end: {fig['ratio_total_ours_over_llamacpp']:.2f}x time; "
           f"requantizing the F16 file, quantize gguf/llama-quantize: "
           f"{fig['ratio_requantize_ours_over_llamacpp']:.2f}x; identical tensors: {identical}")
+    print(f"  peak memory, ours (process tree PSS) / llama.cpp's larger step: "
+          f"{fig['ratio_peak_pss_ours_over_llamacpp']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=1))
     return 0 if identical else 1

@@ -43,8 +43,8 @@ def main() -> None:
     est = [estimate(j) for j in jobs]
     base = libraries_baseline(jobs[0].source)
     watch = PhaseWatch(0.005).start()
-    from quantpress.batch import runner
-    run_eval = runner.run_eval
+    from quantpress.batch import stage_work
+    run_eval = stage_work.run_eval
 
     def watched_eval(*args, **kw):
         watch.observe("evaluation", "start")
@@ -53,7 +53,7 @@ def main() -> None:
         finally:
             watch.observe("evaluation", "end")
 
-    runner.run_eval = watched_eval
+    stage_work.run_eval = watched_eval
     try:
         code = quantize_main(["batch", str(job), "-o", str(work / "out"), "--quiet", "--force"])
     except SystemExit as e:

@@ -433,15 +433,15 @@ def test_ray_gives_the_outputs_and_manifests_of_the_local_run(batch, tmp_path_fa
 
 
 def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
-    """The stage graph Ray runs (runner.model_stages): the GGUF policies and the calibrated
+    """The stage graph Ray runs (stages.model_stages): the GGUF policies and the calibrated
     pass wait for nothing, the imatrix-weighted GGUF and every EXL2 target for the calibrated
     pass, taking its imatrix / measurement, and the evaluation for all of them."""
-    from quantpress.batch import jobfile, runner
+    from quantpress.batch import jobfile, stages
 
     job = _job(tmp_path / "jobs.toml", tiny_llama_dir, second_dir)
-    plans = [runner.plan_model(j, tmp_path / "fresh") for j in jobfile.read_jobs(job, tmp_path / "fresh")]
+    plans = [stages.plan_model(j, tmp_path / "fresh") for j in jobfile.read_jobs(job, tmp_path / "fresh")]
     got = [[(s.name, [o.path for o in s.outputs], s.after, s.needs and s.needs[2])
-            for s in runner.model_stages(p)] for p in plans]
+            for s in stages.model_stages(p)] for p in plans]
     q = plans[1].job.name
     assert got == [
         [("gguf", ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"], (), None),
@@ -454,7 +454,7 @@ def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
          ("gptq w4g64-act", [f"{q}-GPTQ-w4g64-act"], (), None),
          ("gguf+imatrix", [f"{q}-Q4_0.gguf"], ("calibrated",), "imatrix")]]
     # Ray's graph also scores each stage's model outputs once that stage is finished
-    each = [(s.name, s.after, s.evaluates) for s in runner.model_stages(plans[0], eval_each=True)
+    each = [(s.name, s.after, s.evaluates) for s in stages.model_stages(plans[0], eval_each=True)
             if s.is_eval]
     assert each == [
         ("eval gguf", ("gguf",), ("tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf")),
@@ -465,7 +465,7 @@ def test_stages_and_what_they_wait_for(tmp_path, tiny_llama_dir, second_dir):
                   "eval exl2 4.0", "eval exl2 5.0"), None)]
     # a local run makes the EXL2 targets in one stage (their passes side by side)
     local = [(s.name, [o.path for o in s.outputs], s.after, s.needs and s.needs[2])
-             for s in runner.model_stages(plans[0], together=True)]
+             for s in stages.model_stages(plans[0], together=True)]
     assert local == [*got[0][:2], ("exl2 4.0+5.0", ["tiny-EXL2-4.0bpw", "tiny-EXL2-5.0bpw"], ("calibrated",),
                                    "measurement"),
                      ("eval", [], ("gguf", "calibrated", "exl2 4.0+5.0"), None)]
@@ -660,3 +660,4 @@ def test_side_lane_reports_its_process_death_and_starts_anew():
     finally:
         lane.close()
     assert pids[0] != pids[1]
+

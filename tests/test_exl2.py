@@ -384,7 +384,7 @@ def test_roundtrip_digest_by_row_blocks(outs, monkeypatch):
     stored scale."""
     from quantpress.calibration.awq import tensor_digest
     from quantpress.convert.exl2_dir import EXL2Weights
-    from quantpress.targets import exl2 as xp
+    from quantpress.targets import exl2_verify as xv
 
     out, _ = outs[3.0]
     w = EXL2Weights(out)
@@ -394,13 +394,13 @@ def test_roundtrip_digest_by_row_blocks(outs, monkeypatch):
                              t["q_invperm"], N)
     whole = tensor_digest(full)
     for rows in (32, 96, 4096):
-        monkeypatch.setattr(xp, "VERIFY_ROWS", rows)
-        assert xp.reconstructed_digest("lm_head", t, tuple(full.shape)) == whole
+        monkeypatch.setattr(xv, "VERIFY_ROWS", rows)
+        assert xv.reconstructed_digest("lm_head", t, tuple(full.shape)) == whole
     t2 = dict(t)
     t2["q_scale_max"] = t["q_scale_max"].clone()
     t2["q_scale_max"][-1] *= 2
-    monkeypatch.setattr(xp, "VERIFY_ROWS", 32)
-    assert xp.reconstructed_digest("lm_head", t2, tuple(full.shape)) != whole
+    monkeypatch.setattr(xv, "VERIFY_ROWS", 32)
+    assert xv.reconstructed_digest("lm_head", t2, tuple(full.shape)) != whole
     w.close()
 
 

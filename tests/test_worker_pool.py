@@ -1,4 +1,4 @@
-"""quantpress/workers.py, the one worker pool of every process-parallel job.
+"""quantpress/workers/, the one worker pool of every process-parallel job.
 
 * a worker's exception reaches the parent as the same exception (class, message) with the
   worker's traceback as text in its ``__cause__``: from a forked call, from a codec process,

@@ -42,7 +42,7 @@ def _serve(conn) -> None:
         pass
     import torch
 
-    from quantpress.batch.runner import open_source, run_stage
+    from quantpress.batch.stage_work import open_source, run_stage
     from quantpress.targets.eval import Evaluation
 
     torch.set_num_threads(1)

@@ -19,6 +19,9 @@ from quantpress.errors import InputError
 MANIFEST = "manifest.json"
 CARD = "README.md"
 CHUNK = 1 << 22
+#: a model's work in progress, ``OUT_ROOT/<name>/.work/``: temporary outputs and the
+#: checkpoints of the layer-streamed passes
+WORK = ".work"
 
 
 def sha256_file(path: Path) -> str:

@@ -1,6 +1,6 @@
 """``quantize batch --ray [ADDRESS]``: the stages of every model of a batch as Ray tasks.
 
-Each model's stages (:func:`quantpress.batch.runner.model_stages`: the GGUF policies, the
+Each model's stages (:func:`quantpress.batch.stages.model_stages`: the GGUF policies, the
 calibrated pass, each GPTQ target, the imatrix-weighted GGUF policies, each EXL2 target,
 and the evaluation of each stage's outputs, ``eval_each``) become Ray tasks as soon as the
 stages they wait for are finished, so the GGUF policies run beside the calibrated pass (and
@@ -11,7 +11,7 @@ task's own GPU) and one CPU otherwise (Ray then gives it one intra-op thread).
 
 A stage task is a Ray generator (:func:`_stage_task`): it streams each output's
 :class:`~quantpress.targets.base.Outcome` as the output is verified and in place, and the
-driver records it at once (:class:`quantpress.batch.runner.ModelRun`): the driver alone writes
+driver records it at once (:class:`quantpress.batch.model_run.ModelRun`): the driver alone writes
 the manifests and the model cards, after every output, as a local run does, so a batch killed
 anywhere resumes the same way. The tasks write the outputs and their resumable work
 (``.work/``) into ``OUT_ROOT/<name>/``, which must be a path every node sees (a shared
@@ -24,7 +24,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from quantpress.batch.jobfile import OutputJob
-from quantpress.batch.runner import ModelPlan, ModelRun, Row, open_source, run_eval, run_stage
+from quantpress.batch.model_run import ModelRun
+from quantpress.batch.rows import Row
+from quantpress.batch.stage_work import open_source, run_eval, run_stage
+from quantpress.batch.stages import ModelPlan
 from quantpress.errors import InputError
 
 

@@ -3,7 +3,7 @@ registry before anything runs: which outputs are kept or made (:func:`plan_model
 stages and what each waits for (:func:`model_stages`), their estimated working memory
 (:func:`stage_memory`, :func:`memory_peak`), which lane makes each (:func:`on_side_lane`,
 :func:`two_lanes`) and the ``--dry-run`` text (:func:`plan_text`). :mod:`.runner` runs the
-plans."""
+plans locally, :mod:`.ray_exec` as Ray tasks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,11 +63,12 @@ EVAL = "eval"
 
 @dataclass
 class Stage:
-    """One step of a model's run: the ``outputs`` one :func:`run_stage` call makes together
-    (one :func:`~quantpress.targets.base.produce_many`), the stages it waits for (``after``,
-    by name; a name the plan lacks counts as finished) and what it takes from an earlier
-    output (``needs``: (its path, what it is, the option set to it), e.g. the EXL2
-    measurement as ``measurement``). Evaluation stages (:attr:`is_eval`) have no outputs."""
+    """One step of a model's run: the ``outputs`` one
+    :func:`~quantpress.batch.stage_work.run_stage` call makes together (one
+    :func:`~quantpress.targets.base.produce_many`), the stages it waits for (``after``, by
+    name; a name the plan lacks counts as finished) and what it takes from an earlier output
+    (``needs``: (its path, what it is, the option set to it), e.g. the EXL2 measurement as
+    ``measurement``). Evaluation stages (:attr:`is_eval`) have no outputs."""
 
     name: str
     outputs: list[OutputJob]
@@ -94,8 +95,8 @@ CALIBRATION_PASS = "calibration pass"
 
 def model_stages(plan: ModelPlan, eval_each: bool = False, together: bool = False) -> list[Stage]:
     """The stages of one planned model, in an order that runs each after what it waits for
-    (the order :func:`run_model` uses; Ray runs every stage whose ``after`` are finished at
-    once, :mod:`quantpress.batch.ray_exec`), from what each output's target declares
+    (the order :func:`~quantpress.batch.runner.run_model` uses; Ray runs every stage whose
+    ``after`` are finished at once, :mod:`quantpress.batch.ray_exec`), from what each output's target declares
     (:attr:`Target.stream`, :attr:`Target.needs`):
 
     * ``<key>``: per kind made from the checkpoint's tensors (``stream = "tensors"``, e.g. the
@@ -208,8 +209,9 @@ def memory_peak(plan: ModelPlan, lanes: bool) -> tuple[int, list[str]]:
     at once in a local run, and those stages' names: one stage at a time without ``lanes``; with
     them, each stage of one lane beside the largest stage of the other lane that may run at the
     same time (neither waits for the other, directly or not) when the two fit the admission
-    budget of :func:`run_model`, and a scoring that waits for every stage of this process's
-    lane at twice its memory ("<stage> x2", two outputs at once) when that fits the budget."""
+    budget of :func:`~quantpress.batch.runner.run_model`, and a scoring that waits for every
+    stage of this process's lane at twice its memory ("<stage> x2", two outputs at once) when
+    that fits the budget."""
     stages = model_stages(plan, eval_each=lanes, together=True)
     mem = stage_memory(plan)
     budget = lane_budget()

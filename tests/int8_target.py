@@ -76,10 +76,6 @@ class Int8Target(Target, kind="int8", options=Int8Options, output_is_dir=True):
     runtimes = "tests/int8_target.py"
 
     @classmethod
-    def job_path(cls, name: str, options: Int8Options) -> str:
-        return f"{name}-{options.label}"
-
-    @classmethod
     def estimate(cls, info, options: list[Int8Options]) -> Estimate:
         big = max(info.numel.values())
         return Estimate([info.linear + 2 * (info.total - info.linear) for _ in options],

@@ -349,3 +349,20 @@ def test_failed_roundtrip_leaves_nothing(models, tmp_path, monkeypatch, capsys):
     assert code == 3
     assert "round trip failed" in capsys.readouterr().err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_zero_scale_fails_the_round_trip():
+    """The AWQ / GPTQ round trip's scale check (``hfdir.nonzero_scales``) names the linear whose
+    stored scales hold a zero, and passes scales without one."""
+    from types import SimpleNamespace
+
+    from quantpress.errors import RoundTripError
+    from quantpress.targets import hfdir
+
+    stored = {"a.scales": torch.ones(2, 4, dtype=torch.float16),
+              "b.scales": torch.tensor([[1.0, 0.0]], dtype=torch.float16)}
+    check = hfdir.nonzero_scales(SimpleNamespace(raw=stored))
+    check(SimpleNamespace(name="a"))
+    with pytest.raises(RoundTripError, match=r"^round trip: 'b.scales' holds a zero scale$"):
+        check(SimpleNamespace(name="b"))
+

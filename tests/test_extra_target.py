@@ -121,6 +121,29 @@ def test_job_file_key_planning_manifest_and_resume(int8, tiny_llama_dir, tmp_pat
     assert {r["path"]: r["status"] for r in rows} == {"m-int8-m64": "made", "m-int8-m1024": "kept"}
 
 
+def test_output_names_from_the_declared_templates(int8):
+    """A batch names each output from its kind's declared templates (``job_target_format``,
+    ``job_marks``, ``job_path_format``): the defaults for the int8 kind, declared data for the
+    built-in ones."""
+    from quantpress.targets.awq import AWQOptions
+    from quantpress.targets.fp8 import FP8Options
+    from quantpress.targets.gptq import GPTQOptions
+    from quantpress.targets.imatrix import ImatrixOptions
+    from quantpress.targets.target import target_for
+
+    cases = [(Int8Options(min_size=64), "int8-m64", "m-int8-m64"),
+             (ImatrixOptions(), "imatrix", "m.imatrix.gguf"),
+             (AWQOptions(), "w4g128", "m-AWQ-w4g128"),
+             (AWQOptions(group_size=64, rtn=True), "w4g64-rtn", "m-AWQ-w4g64-rtn"),
+             (GPTQOptions(group_size=-1, act_order=True, sym=False, rtn=True), "w4gc-act-asym-rtn",
+              "m-GPTQ-w4gc-act-asym-rtn"),
+             (FP8Options(), "dynamic", "m-FP8-dynamic"),
+             (FP8Options(scheme="static", lm_head=True), "static", "m-FP8-static-head")]
+    for o, target, path in cases:
+        cls = target_for(o)
+        assert (cls.job_target(o), cls.job_path("m", o)) == (target, path), o
+
+
 @pytest.mark.parametrize("tables, message", [
     ("[{ min = 64 }]", r"model\[0\] \(m\): int8\[0\]: unknown key 'min'; known keys: min_size, skip$"),
     ("[{ min_size = 'big' }]", r"int8\[0\]: min_size = 'big': expected an integer$"),

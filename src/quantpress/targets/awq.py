@@ -76,11 +76,7 @@ def verify_awq_dir(path: Path, results: list[cawq.LinearResult], group_size: int
     if w.group_size != group_size:
         raise RoundTripError(f"round trip: {path}/config.json says group_size {w.group_size}, "
                              f"expected {group_size}")
-    def zero_scales(r):
-        if bool((w.raw.get(r.name + ".scales") == 0).any()):
-            raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
-
-    n = hfdir.verify_linears(path, w, results, zero_scales)
+    n = hfdir.verify_linears(path, w, results, hfdir.nonzero_scales(w))
     w.raw.close()
     return f"ok ({n} linears bit-identical to the fake-quantized weights)"
 
@@ -111,14 +107,8 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
     job_order = 30
     runtimes = "vLLM, transformers (AutoAWQ GEMM)"
     stream = "reference"
-
-    @classmethod
-    def job_target(cls, options: AWQOptions) -> str:
-        return options.label + ("-rtn" if options.rtn else "")
-
-    @classmethod
-    def job_path(cls, name: str, options: AWQOptions) -> str:
-        return f"{name}-AWQ-{cls.job_target(options)}"
+    job_marks = ("rtn",)
+    job_path_format = "{name}-AWQ-{target}"
 
     @classmethod
     def feeds(cls, options: AWQOptions) -> str | None:
@@ -222,8 +212,7 @@ class AWQTarget(Target, kind="awq", options=AWQOptions, output_is_dir=True):
             lines.append(f"search     {work['slices_run']} of {work['slices']} candidate slices run "
                          f"({pruned:.0%} pruned), {work['gram']} candidates scored by the Gram form")
         if self.not_converted:
-            shown = ", ".join(self.not_converted[:4]) + (" ..." if len(self.not_converted) > 4 else "")
-            lines.insert(1, f"kept FP16  {shown}")
+            lines.insert(1, f"kept FP16  {hfdir.shown(self.not_converted)}")
         details = {"method": method, "bits": o.bits, "group_size": o.group_size,
                    "duo_scaling": o.duo_scaling, "clip": o.clip, "linears_quantized": len(q),
                    "linears": len(self.results), "modules_to_not_convert": self.not_converted,

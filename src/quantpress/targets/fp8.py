@@ -186,14 +186,8 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
     job_order = 50
     runtimes = "vLLM, transformers (compressed-tensors)"
     stream = "reference"
-
-    @classmethod
-    def job_target(cls, options: FP8Options) -> str:
-        return options.scheme
-
-    @classmethod
-    def job_path(cls, name: str, options: FP8Options) -> str:
-        return f"{name}-{options.label}"
+    job_target_format = "{o.scheme}"
+    job_path_format = "{name}-{o.label}"
 
     @classmethod
     def feeds(cls, options: FP8Options) -> str | None:
@@ -392,7 +386,7 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
         strategy = fp8.WEIGHT_STRATEGY[o.scheme]
         lines = [f"linears    {len(q)} of {len(self.records)} to FP8 E4M3 ({o.scheme}: weights per "
                  f"{strategy}, activations {ACTIVATIONS[o.scheme]}), scales {dtype}; kept as they "
-                 f"are: {', '.join(self.ignore_list[:4]) or 'none'}{' ...' if len(self.ignore_list) > 4 else ''}",
+                 f"are: {hfdir.shown(self.ignore_list) or 'none'}",
                  f"calibration {rows} rows x {seqlen} tokens of {self.text}" if rows else
                  "calibration none (activation scales computed at run time)",
                  f"weights    mean relative RMSE of the FP8 weights {rel:.4f}"]

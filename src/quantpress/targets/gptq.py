@@ -105,13 +105,8 @@ def verify_gptq_dir(path: Path, records: list[LinearResult], bits: int, group_si
         if q.get(k) != v:
             raise RoundTripError(f"round trip: {path}/config.json says {k} {q.get(k)!r}, expected {v!r}")
     w = gptq_dir.GPTQWeights(path)
-
-    def zero_scales(r):
-        if bool((w.raw.get(r.name + ".scales") == 0).any()):
-            raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
-
     try:
-        n = hfdir.verify_linears(path, w, records, zero_scales)
+        n = hfdir.verify_linears(path, w, records, hfdir.nonzero_scales(w))
     finally:
         w.close()
     return f"ok ({n} linears bit-identical to the fake-quantized weights)"
@@ -134,14 +129,8 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
     runtimes = "vLLM (gptq / Marlin), transformers with gptqmodel"
     memory_stages = ("GPTQ pass",)
     plan_words = "{n} GPTQ pass(es)"
-
-    @classmethod
-    def job_target(cls, options: GPTQOptions) -> str:
-        return options.label + ("-rtn" if options.rtn else "")
-
-    @classmethod
-    def job_path(cls, name: str, options: GPTQOptions) -> str:
-        return f"{name}-GPTQ-{cls.job_target(options)}"
+    job_marks = ("rtn",)
+    job_path_format = "{name}-GPTQ-{target}"
 
     @classmethod
     def estimate(cls, info, options: list[GPTQOptions]) -> Estimate:
@@ -242,8 +231,7 @@ class GPTQTarget(Target, kind="gptq", options=GPTQOptions, output_is_dir=True):
                  f"weights    mean relative RMSE of the quantized weights {rel:.4f}",
                  f"vLLM       {'Marlin-eligible' if marlin else 'not Marlin-eligible (gptq kernel)'}"]
         if self.not_quantized:
-            shown = ", ".join(self.not_quantized[:4]) + (" ..." if len(self.not_quantized) > 4 else "")
-            lines.insert(1, f"kept FP16  {shown}")
+            lines.insert(1, f"kept FP16  {hfdir.shown(self.not_quantized)}")
         details = {"method": method, "bits": o.bits, "group_size": o.group_size, "sym": o.sym,
                    "desc_act": o.act_order, "damp": o.damp, "linears_quantized": len(q),
                    "linears": len(self.records), "not_quantized": self.not_quantized,

@@ -2,7 +2,8 @@
 quantized decoder layers: the token embedding, the final norm and, for an untied model whose
 head is not quantized, the head, all float16, read a block of rows at a time so that no float32
 copy of a large vocabulary matrix is ever made (:func:`quantpress.convert.shards.float16_rows`);
-and the round trip of its linears (:func:`verify_linears`)."""
+the round trip of its linears (:func:`verify_linears`, :func:`nonzero_scales`); and the
+summary's list of the linears it kept (:func:`shown`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,3 +66,19 @@ def verify_linears(path: Path, weights, records: list, check: Callable | None = 
                                  f"from the quantizer's weights")
         n += 1
     return n
+
+
+def nonzero_scales(weights) -> Callable:
+    """The ``check`` of :func:`verify_linears` for a format that stores a ``<linear>.scales``
+    tensor (AWQ, GPTQ): RoundTripError naming the linear whose scales hold a zero
+    (``weights.raw``: the reader of the final files)."""
+    def check(r) -> None:
+        if bool((weights.raw.get(r.name + ".scales") == 0).any()):
+            raise RoundTripError(f"round trip: '{r.name}.scales' holds a zero scale")
+    return check
+
+
+def shown(names: list[str], most: int = 4) -> str:
+    """The first ``most`` of ``names`` joined by commas, `` ...`` after them when there are
+    more (``""`` for none): a summary's list of the linears kept unquantized."""
+    return ", ".join(names[:most]) + (" ..." if len(names) > most else "")

@@ -130,14 +130,8 @@ class ImatrixTarget(Target, kind="imatrix", options=ImatrixOptions):
     runtimes = "llama-quantize --imatrix"
     stream = "reference"
     is_model = False
-
-    @classmethod
-    def job_target(cls, options: ImatrixOptions) -> str:
-        return cls.kind
-
-    @classmethod
-    def job_path(cls, name: str, options: ImatrixOptions) -> str:
-        return f"{name}.imatrix.gguf"
+    job_target_format = "{kind}"
+    job_path_format = "{name}.imatrix.gguf"
 
     @classmethod
     def estimate(cls, info, options: list[ImatrixOptions]) -> Estimate:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
+
+from quantpress.errors import InputError
 
 #: the entry-point group other packages declare their target modules in (imported by
 #: :func:`load_plugins`: installed code only, never a path from the command line)
@@ -141,12 +144,32 @@ def verbs(command: str) -> list[tuple[type, Verb]]:
 
 def load_plugins() -> list[str]:
     """Import the target modules that installed distributions declare under the entry-point
-    group :data:`PLUGIN_GROUP` (importing one registers its targets); their names. Nothing is
-    imported from a path given at run time."""
+    group :data:`PLUGIN_GROUP` (importing one registers its targets); their names. An entry
+    point names a module that defines a target (``int8 = mypkg.int8_target``) or a target
+    class (``mypkg.int8_target:Int8Target``). Nothing is imported from a path given at run
+    time. InputError, one line naming the entry point, for one that fails to import or names
+    no registered target."""
     from importlib.metadata import entry_points
 
     names = []
     for ep in entry_points(group=PLUGIN_GROUP):
-        ep.load()
+        where = f"plugin entry point '{ep.name} = {ep.value}' (group {PLUGIN_GROUP})"
+        try:
+            obj = ep.load()
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise InputError(f"{where}: cannot be imported: {type(e).__name__}: {first}") from e
+        if not _defines_target(obj):
+            raise InputError(f"{where}: {obj!r} is not a target module or a Target subclass "
+                             f"(a Target subclass registers itself when its module is imported)")
         names.append(ep.name)
     return names
+
+
+def _defines_target(obj: Any) -> bool:
+    """Whether ``obj`` is a registered target class, or a module (or package) that defines one."""
+    classes = list(TARGETS.values())
+    if isinstance(obj, type):
+        return obj in classes
+    return isinstance(obj, ModuleType) and any(
+        c.__module__ == obj.__name__ or c.__module__.startswith(obj.__name__ + ".") for c in classes)

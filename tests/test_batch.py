@@ -259,7 +259,7 @@ def test_dry_run_estimate_adds_what_runs_side_by_side(tmp_path, tiny_llama_dir, 
 BAD = [
     ("not toml", "[[model]\nsource = 1", "not valid TOML: .*line 1"),
     ("unknown top key", "[[model]]\nsource = '{src}'\ngguf=['Q8_0']\n[other]\n", "unknown top-level key 'other'"),
-    ("unknown model key", "[[model]]\nsource = '{src}'\nggfu = ['Q8_0']", r"model\[0\]: unknown key 'ggfu'; known keys: source, name, gguf"),
+    ("unknown model key", "[[model]]\nsource = '{src}'\nggfu = ['Q8_0']", r"model\[0\]: unknown key 'ggfu'; known keys: source, name, revision, gguf"),
     ("missing source", "[[model]]\ngguf = ['Q8_0']", r"model\[0\]: missing key 'source'"),
     ("source not a model", "[[model]]\nsource = '{tmp}'\ngguf = ['Q8_0']", "not a Hugging Face model directory"),
     ("bad policy", "[[model]]\nsource = '{src}'\nname = 'm'\ngguf = ['Q9_K']", r"model\[0\] \(m\): gguf\[0\]: --policy Q9_K: unknown"),

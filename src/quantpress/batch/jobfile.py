@@ -7,8 +7,12 @@
     calib = { samples = 128, seqlen = 2048 }
 
     [[model]]
-    source = "models/Llama-3.1-8B-Instruct"    # Hugging Face directory (relative: to the job file)
-    name = "Llama-3.1-8B-Instruct"             # output prefix; default: the directory's name
+    source = "models/Llama-3.1-8B-Instruct"    # Hugging Face directory (relative: to the job
+                                               # file), or a repo id org/name read from the
+                                               # local hub cache (--allow-download: fetched)
+    revision = "main"                          # a repo id's branch, tag or commit (default main)
+    name = "Llama-3.1-8B-Instruct"             # output prefix; default: the directory's (the
+                                               # repo's) name
     gguf = ["Q4_K_M", "Q6_K", "Q8_0"]          # policies, as convert hf-to-gguf --policy, or
                                                # tables of its options: { policy = "IQ4_XS",
                                                # imatrix = true } (true: this model's imatrix)
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from quantpress.convert.sources import resolve_model
 from quantpress.errors import InputError
 from quantpress.targets import CalibOptions, ComputeOptions
 from quantpress.targets import registry
@@ -43,8 +48,8 @@ from quantpress.targets.base import target_for
 from quantpress.targets.eval import EvalOptions
 from quantpress.targets.options import from_table
 
-#: keys of a [[model]] entry besides the output kinds' (``source`` and ``name`` not in [defaults])
-COMMON_KEYS = ("source", "name")
+#: keys of a [[model]] entry besides the output kinds' (not in [defaults])
+COMMON_KEYS = ("source", "name", "revision")
 TAIL_KEYS = ("eval", "device", "dtype", "batch_tokens", "calib")
 #: keys of the calib table → CalibOptions fields
 CALIB_KEYS = ("calib", "calib_field", "samples", "seqlen", "seed")
@@ -56,9 +61,9 @@ def output_kinds() -> list[type]:
 
 
 def model_keys() -> tuple[str, ...]:
-    """Every key of a [[model]] entry (and of [defaults], but for source and name): source,
-    name, each output kind's key (and the key naming a file it may reuse), then the
-    evaluation, compute and calibration keys."""
+    """Every key of a [[model]] entry (and of [defaults], but for source, name and revision):
+    source, name, revision, each output kind's key (and the key naming a file it may reuse),
+    then the evaluation, compute and calibration keys."""
     kinds = []
     for c in output_kinds():
         kinds.append(c.job_key)
@@ -94,8 +99,8 @@ class OutputJob:
 @dataclass
 class ModelJob:
     """One [[model]] entry: ``index`` in the file, output prefix ``name``, ``source`` HF
-    directory, compute and calibration options, the ``outputs`` in the order they are made,
-    and ``eval`` (None: no evaluation)."""
+    directory (for a repo id its cached snapshot), compute and calibration options, the
+    ``outputs`` in the order they are made, and ``eval`` (None: no evaluation)."""
 
     index: int
     name: str
@@ -186,7 +191,7 @@ def target_for_type(options_type: type) -> type:
 
 
 def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
-           device: str | None) -> ModelJob:
+           device: str | None, allow_download: bool = False) -> ModelJob:
     where0 = f"{file}: model[{index}]"
     keys = model_keys()
     if not isinstance(entry, dict):
@@ -195,21 +200,27 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
     if unknown:
         raise InputError(f"{where0}: unknown key {unknown[0]!r}; known keys: {', '.join(keys)}")
     if "source" not in entry:
-        raise InputError(f"{where0}: missing key 'source' (the Hugging Face model directory)")
+        raise InputError(f"{where0}: missing key 'source' (the Hugging Face model directory "
+                         f"or repo id)")
     e = {**defaults, **entry}
     if "calib" in defaults and "calib" in entry and isinstance(entry["calib"], dict) \
             and isinstance(defaults["calib"], dict):
         e["calib"] = {**defaults["calib"], **entry["calib"]}
     src = e["source"]
     if not isinstance(src, str) or not src:
-        raise InputError(f"{where0}: source = {src!r}: expected a path")
-    source = Path(src).expanduser()
-    if not source.is_absolute():
-        source = (base / source).resolve()
+        raise InputError(f"{where0}: source = {src!r}: expected a path or a repo id")
+    revision = e.get("revision")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise InputError(f"{where0}: revision = {revision!r}: expected a branch, tag or commit")
+    try:
+        resolved = resolve_model(src, revision, allow_download=allow_download, base=base)
+    except InputError as err:
+        raise InputError(f"{where0}: source {err}") from None
+    source = resolved.path
     if not source.is_dir() or not (source / "config.json").is_file():
         raise InputError(f"{where0}: source {source}: not a Hugging Face model directory "
                          f"(no config.json)")
-    name = e.get("name", source.name)
+    name = e.get("name", resolved.name)
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
         raise InputError(f"{where0}: name = {name!r}: expected a file-name prefix without '/'")
     where = f"{file}: model[{index}] ({name})"
@@ -245,15 +256,18 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
     return job
 
 
-def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None) -> list[ModelJob]:
+def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None,
+              allow_download: bool = False) -> list[ModelJob]:
     """Read and check a job file: the :class:`ModelJob` list, nothing written.
 
     ``out_root``: where outputs go (``OUT_ROOT/<name>/``); it must be a directory or not exist
-    yet. ``device``: overrides every entry's ``device`` (``--device``). Raises InputError
+    yet. ``device``: overrides every entry's ``device`` (``--device``). ``allow_download``: a
+    repo-id source missing from the hub cache is downloaded (``--allow-download``;
+    :func:`quantpress.convert.sources.resolve_model`). Raises InputError
     naming the file, the model entry and the key for: a file that is not TOML (line and
     column), an unknown or missing key (listing the known ones), a wrong type, a source that is
-    no model directory, an option the single verb refuses (its message), two entries writing
-    the same output path, an OUT_ROOT that is a file."""
+    no model directory (or a repo id not in the cache), an option the single verb refuses (its
+    message), two entries writing the same output path, an OUT_ROOT that is a file."""
     path = Path(path)
     out_root = Path(out_root)
     if out_root.exists() and not out_root.is_dir():
@@ -274,7 +288,7 @@ def read_jobs(path: str | Path, out_root: str | Path, device: str | None = None)
     if not isinstance(models, list) or not models:
         raise InputError(f"{path}: no [[model]] entries")
     base = path.resolve().parent
-    jobs = [_model(m, i, defaults, base, path, device) for i, m in enumerate(models)]
+    jobs = [_model(m, i, defaults, base, path, device, allow_download) for i, m in enumerate(models)]
     names: dict[str, int] = {}
     for j in jobs:
         if j.name in names:

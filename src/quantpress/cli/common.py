@@ -16,9 +16,14 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
+from quantpress.convert.sources import REPO_HELP
 from quantpress.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ROUND_TRIP, InputError,
                                RoundTripError)
 from quantpress.devices import DEFAULT_BATCH_TOKENS
+
+#: the verb inputs (:attr:`~quantpress.targets.registry.Verb.input`) that are models, so that a
+#: repo id is accepted for them (``gguf``: a file, not a repo)
+MODEL_INPUTS = ("hf", "any")
 
 
 def _first_line(e: BaseException) -> str:
@@ -121,6 +126,25 @@ def exit_with(code: int) -> NoReturn:
     sys.exit(code)
 
 
+def add_model_source(p: argparse.ArgumentParser, what: str = "MODEL") -> None:
+    """``--revision`` and ``--allow-download``: where a repo-id model argument (``what``
+    names it in the help) is read from (:func:`quantpress.convert.sources.resolve_model`)."""
+    p.add_argument("--revision", help=f"branch, tag or commit of a repo-id {what} (default main)")
+    p.add_argument("--allow-download", action="store_true",
+                   help=f"fetch a repo-id {what} from the Hugging Face Hub when the local cache "
+                        f"lacks it (default: offline, the cache only)")
+
+
+def model_path(args: argparse.Namespace, spec: str, revision: bool = True):
+    """The local path of a model argument ``spec``: itself, or the cached snapshot of a repo
+    id (:func:`quantpress.convert.sources.resolve_model`, with ``--allow-download`` and, where
+    ``revision``, ``--revision``)."""
+    from quantpress.convert.sources import resolve_model
+
+    return resolve_model(spec, getattr(args, "revision", None) if revision else None,
+                         allow_download=getattr(args, "allow_download", False)).path
+
+
 def compute_options(args: argparse.Namespace):
     """:class:`~quantpress.targets.ComputeOptions` from the parsed arguments."""
     from quantpress.targets import ComputeOptions
@@ -160,7 +184,10 @@ def add_target_verbs(sub, command: str) -> None:
     registry.load_plugins()
     for cls, verb in registry.verbs(command):
         p = sub.add_parser(verb.name, help=verb.help)
-        p.add_argument(verb.arg, help=verb.arg_help)
+        reads_models = verb.input in MODEL_INPUTS
+        p.add_argument(verb.arg, help=verb.arg_help + (REPO_HELP if reads_models else ""))
+        if reads_models:
+            add_model_source(p)
         p.add_argument("-o", "--output", required=verb.out_required, help=verb.out_help)
         p.add_argument("--force", action="store_true", help="overwrite an existing output")
         if verb.report:
@@ -179,6 +206,8 @@ def run_target(cls: type, verb, args: argparse.Namespace) -> int:
     from quantpress.targets.options import from_args
 
     path = getattr(args, verb.arg)
+    if verb.input in MODEL_INPUTS:
+        path = str(model_path(args, path))
     if verb.check_input is not None:
         verb.check_input(path)
     for step in verb.plan(args, from_args(cls.options_type, args)):

@@ -12,6 +12,7 @@ from typing import NoReturn
 from pathlib import Path
 
 from quantpress.cli import common
+from quantpress.convert.sources import REPO_HELP
 
 
 def add_verbs(sub) -> None:
@@ -21,9 +22,11 @@ def add_verbs(sub) -> None:
 
     e = sub.add_parser("eval", help="perplexity and KL divergence against the base model "
                                     "(llama-perplexity conventions)")
-    e.add_argument("base", help="base model: Hugging Face directory or GGUF file")
+    e.add_argument("base", help="base model: Hugging Face directory or GGUF file" + REPO_HELP)
     e.add_argument("outputs", nargs="*", help="models to compare with the base (GGUF files, HF, "
-                                              "AWQ or EXL2 directories)")
+                                              "AWQ or EXL2 directories, or repo ids at their "
+                                              "default branch)")
+    common.add_model_source(e, "BASE")
     e.add_argument("--text", help="UTF-8 text file (default: held-out split of exllamav2's wiki.utf8)")
     e.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512; the second half is scored)")
     e.add_argument("--chunks", type=int, help="evaluate only the first N chunks")
@@ -40,6 +43,9 @@ def add_verbs(sub) -> None:
                    help="overwrite output paths that this batch did not make")
     b.add_argument("--json", action="store_true", help="print the closing table as JSON")
     b.add_argument("--device", default=None, help="override every model's device (auto, cpu, cuda, cuda:N)")
+    b.add_argument("--allow-download", action="store_true",
+                   help="fetch a repo-id source from the Hugging Face Hub when the local cache "
+                        "lacks it (default: offline, the cache only)")
     b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the models as Ray tasks on the cluster at ADDRESS (or a local Ray "
                         "instance without one; one GPU per task where there are GPUs); OUT_ROOT "
@@ -52,7 +58,9 @@ def add_verbs(sub) -> None:
 def _eval(args) -> int:
     from quantpress.targets.eval import EvalOptions, evaluate
 
-    r = evaluate(args.base, args.outputs, EvalOptions(args.text, args.ctx, args.chunks),
+    base = common.model_path(args, args.base)
+    outputs = [common.model_path(args, o, revision=False) for o in args.outputs]
+    r = evaluate(base, outputs, EvalOptions(args.text, args.ctx, args.chunks),
                  common.compute_options(args), progress=not args.quiet)
     print(json.dumps(r.to_json(), indent=1) if args.json else r.text_table())
     return 0
@@ -61,7 +69,8 @@ def _eval(args) -> int:
 def _batch(args) -> int:
     from quantpress.batch import jobfile, runner
 
-    jobs = jobfile.read_jobs(args.jobs, args.output, device=args.device)
+    jobs = jobfile.read_jobs(args.jobs, args.output, device=args.device,
+                             allow_download=args.allow_download)
     if args.ray is not None:
         from quantpress.batch import ray_exec
 

@@ -31,8 +31,11 @@ error), 2 device B is CUDA and CUDA is not available (one line on stderr).
 The model: ``--model DIR`` (any HF directory quantpress reads), else a random 2-layer llama
 built like ``tests/synth.py`` with the SmolLM2 tokenizer (``--tokenizer DIR``, else the one in
 quantpress's cache, else fetched by :func:`quantpress.assets.smollm2_dir`, which needs the
-network). The calibration and evaluation text: ``--calib FILE``, else exllamav2's wiki.utf8
-when it is in the cache, else this repository's README.md (offline machines).
+network). The calibration and evaluation text: ``--calib FILE``, else the default text of
+every quantpress command, exllamav2's ``standard_cal_data`` (its wiki.utf8 split), from
+quantpress's cache or fetched into it (:func:`quantpress.targets.source.default_cal_dir`; fill
+the cache beforehand with ``python -m quantpress.assets cal-data`` on an offline machine).
+Without either the script fails (exit 1) with an error saying so.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ import traceback
 from pathlib import Path
 
 # digests and sync are part of this module's interface (tests and callers use gpu_checks.X)
-from bench_common import REPO, digests, parse_sizes, sync, tiny_llama  # noqa: F401
+from bench_common import digests, parse_sizes, sync, tiny_llama  # noqa: F401
 
 # ---- tolerances (what "pass" means per check) -----------------------------------------------
 
@@ -520,13 +523,24 @@ def compare_batches(a: dict, b: dict, dir_a: Path | None = None, dir_b: Path | N
 
 # ---- inputs -----------------------------------------------------------------------------------
 
-def cached_cal_dir() -> Path | None:
-    """exllamav2's ``standard_cal_data`` directory when it is already in quantpress's cache
-    (the path :func:`quantpress.assets.standard_cal_data` fills), else None; never downloads."""
-    from quantpress import assets
+def calibration_text(calib: str | None) -> tuple[str | None, Path | None]:
+    """The calibration and evaluation text of the model checks, ``(calib, cal_dir)``: the file
+    ``--calib`` names (resolved), or None and the directory of exllamav2's ``standard_cal_data``,
+    the default text of every quantpress command (:func:`quantpress.targets.source.default_cal_dir`:
+    the cache's copy, else fetched into the cache). CheckError when the file is missing or the
+    default text can be neither found nor fetched."""
+    from quantpress.errors import InputError
+    from quantpress.targets.source import default_cal_dir
 
-    d = assets.cache_root() / "ref" / "exllamav2-0.3.2" / "standard_cal_data"
-    return d if (d / "wiki.utf8").is_file() else None
+    if calib is not None:
+        if not Path(calib).is_file():
+            raise CheckError(f"--calib {calib}: no such file")
+        return str(Path(calib).resolve()), None
+    try:
+        return None, default_cal_dir()
+    except InputError as e:
+        raise CheckError(f"no calibration text: {e} (python -m quantpress.assets cal-data fills "
+                         f"the cache where the network is reachable)") from None
 
 
 def find_tokenizer(given: str | None) -> Path:
@@ -600,7 +614,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                        "cached SmolLM2 one)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the random llama (2)")
     p.add_argument("--calib", help="calibration and evaluation text file (default: exllamav2's "
-                                   "wiki.utf8 when cached, else README.md)")
+                                   "wiki.utf8 split, from quantpress's cache or fetched into it)")
     p.add_argument("--samples", type=int, default=4, help="calibration rows (4)")
     p.add_argument("--seqlen", type=int, default=64, help="tokens per calibration row (64)")
     p.add_argument("--eval-ctx", type=int, default=64, help="batch eval: tokens per chunk (64)")
@@ -689,13 +703,7 @@ def run_checks(args: argparse.Namespace, work: Path, report: Report) -> None:
         tok = find_tokenizer(args.tokenizer)
         model = build_tiny_model(work / "tiny-llama", tok, args.layers)
         report.data["model"] = f"random llama, {args.layers} layers, tokenizer of {tok}"
-    cal_dir = None
-    calib = args.calib
-    if calib is None:
-        cal_dir = cached_cal_dir()
-        if cal_dir is None:
-            calib = str(REPO / "README.md")
-    calib = None if calib is None else str(Path(calib).resolve())
+    calib, cal_dir = calibration_text(args.calib)
     report.data["calibration"] = {"text": calib or f"{cal_dir}/wiki.utf8 (default split)",
                                   "samples": args.samples, "seqlen": args.seqlen}
     report.write()

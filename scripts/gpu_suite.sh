@@ -15,9 +15,10 @@
 #     datasets and theirs, and setuptools for the editable install) as wheels in the directory
 #     named by $QUANTPRESS_WHEELS; without that variable they are assumed installed;
 #   - the SmolLM2 tokenizer in quantpress's cache (~/.cache/quantpress/models/SmolLM2-135M-Instruct,
-#     or $QUANTPRESS_CACHE), or pass --tokenizer DIR, or --model DIR to use a given HF model.
-#     Calibration text: exllamav2's wiki.utf8 from the same cache when present, else README.md
-#     (or --calib FILE).
+#     or $QUANTPRESS_CACHE), or pass --tokenizer DIR, or --model DIR to use a given HF model;
+#   - the calibration text: exllamav2's standard_cal_data in the same cache (fill it with
+#     `python -m quantpress.assets cal-data` where the network is reachable), or --calib FILE;
+#     without either gpu_checks.py stops with an error saying so.
 #
 # Python: .venv/bin/python when the checkout has a .venv (used as it is); otherwise $PYTHON
 # (default python3), into which the wheels (if any) are installed with

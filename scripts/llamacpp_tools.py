@@ -8,15 +8,15 @@ once and cached under quantpress's cache root.
   pinned source (``llamacpp_src()``, llama.cpp 0c1e57098 as vendored in llama-cpp-python
   0.3.36), Release, without CURL, tests, examples or the server, with llama.cpp's shared
   libraries (``libllama``, ``libggml*``) beside them in ``<cache>/ref/llama_cpp-0.3.36/bin``.
-  About 4 minutes on 2 cores the first time (``scripts/setup.sh --test`` builds it), then
-  cached. The imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
+  Built the first time (``scripts/setup.sh --test`` builds it; its time in docs/benchmarks.md,
+  "Figures behind the code", scripts/setup.sh), then cached. The imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
   written by ``llama-imatrix``, which the Python bindings do not expose.
 - ``install_libs()``: those shared libraries copied into the installed ``llama_cpp`` package's
   ``lib/``, where llama-cpp-python's own build would put them (llama-cpp-python's
   CMakeLists.txt ``llama_cpp_python_install_target``): setup.sh installs the bindings with
-  ``CMAKE_ARGS=-DLLAMA_BUILD=OFF`` (Python only, 5 s), so that llama.cpp is compiled once for
-  both the bindings and the tools rather than twice (the bindings' own build took 222 s on
-  2 cores, most of it the same ggml and libllama the tools need).
+  ``CMAKE_ARGS=-DLLAMA_BUILD=OFF`` (Python only), so that llama.cpp is compiled once for both
+  the bindings and the tools rather than twice (the bindings' own build compiles most of the
+  same ggml and libllama the tools need; figures in docs/benchmarks.md).
 - ``smollm2_gguf("f16"|"q8_0")``: SmolLM2-135M-Instruct converted by llama.cpp's own
   ``convert_hf_to_gguf.py --outtype f16`` (and ``llama_model_quantize`` to Q8_0), cached
   under ``<cache>/ref/smollm2-gguf/``: reference inputs for tests and benchmarks.

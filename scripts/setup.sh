@@ -2,7 +2,8 @@
 # Set up .venv: quantpress and its runtime dependencies (the README's first command), and with
 # --test also the test stack (the README's second command). Idempotent: a second run with the
 # same pyproject.toml, constraints and this script does nothing (stamp files); llama.cpp's
-# build (--test, ~4 min) is kept in quantpress's cache (~/.cache/quantpress) for later runs.
+# build (--test) is kept in quantpress's cache (~/.cache/quantpress) for later runs. Its times:
+# docs/benchmarks.md ("The test suite"; "Figures behind the code", scripts/setup.sh).
 #   bash scripts/setup.sh           # runtime: torch (CPU), transformers, ..., quantpress (editable)
 #   bash scripts/setup.sh --test    # + pytest, llama-cpp-python (llama.cpp, the reference), gptqmodel,
 #                                   #   Triton's interpreter
@@ -19,13 +20,12 @@ want_build=0
 build=
 
 # llama.cpp's shared libraries and tools (llama-quantize, llama-imatrix, llama-perplexity) for
-# the test stack, built once into the cache (213 s on 2 idle cores: the cmake configure and
-# build of llamacpp_tools._build, timed on their own; its log is build.log there). Started as
-# soon as its script can run (quantpress from src/, filelock from torch's dependencies), in the
+# the test stack, built once into the cache (its log is build.log there). Started as soon as
+# its script can run (quantpress from src/, filelock from torch's dependencies), in the
 # background and in a process group of its own (killed with the script if a step fails), so
 # that its source download and compilation run beside pip's installs, which keep about one
-# core busy (on 2 cores with empty caches, `time bash scripts/setup.sh --test` in a fresh clone:
-# 5.0 minutes, against 5.8 with the build after the installs)
+# core busy: the whole set-up takes less time than with the build after the installs
+# (docs/benchmarks.md, "Figures behind the code", scripts/setup.sh)
 start_build() {
   [ "$want_build" = 1 ] && [ -z "$build" ] || return 0
   PYTHONPATH=src setsid .venv/bin/python scripts/llamacpp_tools.py > /dev/null &
@@ -45,10 +45,10 @@ fi
 if [ "$want_build" = 1 ]; then
   start_build
   # llama.cpp reference, pytest, and gptqmodel's dependencies: the [test] extra. llama-cpp-python
-  # comes without its own build of llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF: Python only, 5 s,
-  # against 222 s on 2 cores for `pip wheel --no-cache-dir --no-deps llama-cpp-python==0.3.36`
-  # with -DLLAVA_BUILD=OFF); llama.cpp is compiled once (start_build), from the same vendored
-  # source, for both the tools and the bindings' libraries
+  # comes without its own build of llama.cpp (CMAKE_ARGS=-DLLAMA_BUILD=OFF: Python only; its
+  # own build would compile most of llama.cpp a second time, docs/benchmarks.md); llama.cpp is
+  # compiled once (start_build), from the same vendored source, for both the tools and the
+  # bindings' libraries
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF ${CMAKE_ARGS:-}" pip install -q -c scripts/constraints.txt -e ".[test]"
   # transformers' AWQ loader for the consumer test: gptqmodel declares torch>=2.14.1, so it
   # comes without its dependencies (the extra above installs them, pinned)

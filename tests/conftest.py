@@ -69,6 +69,14 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return synth.make_model(tmp_path_factory.mktemp("tiny_llama"), "llama", smollm2_dir, num_hidden_layers=2)
 
 
+@pytest.fixture(scope="session")
+def three_layer_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """Synthetic llama with 3 layers: room for a batch's pass to be killed between layers
+    (test_batch, test_resume_safety; their jobs and runs: tests/batches.py)."""
+    return synth.make_model(tmp_path_factory.mktemp("three_layers"), "llama", smollm2_dir, seed=2,
+                            num_hidden_layers=3)
+
+
 # SmolLM2 runs shared by test_exl2_smollm2, test_awq_smollm2 and test_batch_smollm2
 # (tests/smollm2_runs.py): made once per session
 

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import batches
 import pytest
 import synth
 import make
@@ -489,57 +490,21 @@ def test_ray_missing_says_how_to_install(tmp_path, tiny_llama_dir, monkeypatch, 
     assert "pip install 'quantpress[ray]'" in err and not out.exists()
 
 
-@pytest.fixture(scope="module")
-def three_layer_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 3-layer llama: room for a pass to be killed between layers."""
-    return synth.make_model(tmp_path_factory.mktemp("batch_three"), "llama", smollm2_dir, seed=2,
-                            num_hidden_layers=3)
-
-
-def _batch_process(job: Path, out: Path, kill: str | None = None):
-    """``quantize batch JOB -o OUT --quiet --json`` in a subprocess (one thread), with the
-    checkpoints' kill hook set to ``kill`` ("<pass>:<layer>") or unset."""
-    import os
-    import subprocess
-    import sys
-
-    from quantpress.calibration.checkpoint import KILL_HOOK
-
-    env = {k: v for k, v in os.environ.items() if k != KILL_HOOK}
-    env.update(OMP_NUM_THREADS="1", **({KILL_HOOK: kill} if kill else {}))
-    quantize = Path(sys.executable).parent / "quantize"
-    return subprocess.run([str(quantize), "batch", str(job), "-o", str(out), "--quiet", "--json"],
-                          env=env, capture_output=True, text=True, timeout=900)
-
-
-def _one_model_job(path: Path, source: Path, outputs: str, samples: int = 2) -> Path:
-    """A job file at ``path``: model ``m`` from ``source`` (CPU, ``samples`` x 32 calibration
-    tokens) with the TOML lines ``outputs``."""
-    path.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = {samples}, seqlen = 32 }}
-[[model]]
-source = "{source}"
-name = "m"
-{outputs}
-""")
-    return path
-
+# resume: the 3-layer model of conftest.py's three_layer_dir, jobs and killed runs from batches.py
 
 def test_killed_batch_resumes_at_the_layer_it_reached(tmp_path, three_layer_dir):
     """SIGKILL after layer 1 of the shared reference pass, then after layer 0 of the EXL2
     quantization pass: each re-run goes on from the saved layer (it says so, and the manifest
     records it), keeps the outputs already finished, and the outputs equal those of a run
     never interrupted, byte for byte."""
-    job = _one_model_job(tmp_path / "j.toml", three_layer_dir,
+    job = batches.one_model_job(tmp_path / "j.toml", three_layer_dir,
                          'imatrix = true\nawq = [{ group_size = 64 }]\nexl2 = [{ bpw = 4.0 }]')
     whole = tmp_path / "whole"
     assert quantize_main(["batch", str(job), "-o", str(whole), "--quiet"]) == 0
     out = tmp_path / "out"
 
     def run(kill: str | None):
-        return _batch_process(job, out, kill)
+        return batches.batch_process(job, out, kill)
 
     p = run("reference:1")
     assert p.returncode == -9, p.stderr[-2000:]
@@ -570,12 +535,12 @@ def test_killed_gptq_pass_resumes_at_the_layer_it_reached(tmp_path, three_layer_
     """SIGKILL after the last layer of a GPTQ pass (the checkpoint is kept until the output is
     verified and installed): the re-run restores the three layers, runs none, and the output
     equals the single verb's byte for byte; the work directory is gone after it."""
-    job = _one_model_job(tmp_path / "j.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
+    job = batches.one_model_job(tmp_path / "j.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
     out = tmp_path / "out"
-    p = _batch_process(job, out, "m-GPTQ-w4g64:2")
+    p = batches.batch_process(job, out, "m-GPTQ-w4g64:2")
     assert p.returncode == -9, p.stderr[-2000:]
     assert json.loads((out / "m" / ".work" / "m-GPTQ-w4g64.ckpt" / "done.json").read_text()) == {"layer": 2}
-    p = _batch_process(job, out)
+    p = batches.batch_process(job, out)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "m-GPTQ-w4g64: resuming at layer 3 (layers 0-2 kept" in p.stderr
     assert [(r["status"], r["resumed_at"]) for r in json.loads(p.stdout)] == [("made", 3)]
@@ -589,12 +554,12 @@ def test_saved_work_of_another_job_is_discarded(tmp_path, three_layer_dir):
     """A pass killed under one job, re-run after the job changed: the saved layers are not
     used (message), and the output equals a fresh run's."""
     def job(samples: int) -> Path:
-        return _one_model_job(tmp_path / f"j{samples}.toml", three_layer_dir, "imatrix = true", samples)
+        return batches.one_model_job(tmp_path / f"j{samples}.toml", three_layer_dir, "imatrix = true", samples)
 
     out, fresh = tmp_path / "out", tmp_path / "fresh"
-    p = _batch_process(job(2), out, "reference:0")
+    p = batches.batch_process(job(2), out, "reference:0")
     assert p.returncode == -9, p.stderr[-2000:]
-    p = _batch_process(job(3), out)
+    p = batches.batch_process(job(3), out)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "saved work under" in p.stderr and "another job or code version; discarded" in p.stderr
     assert quantize_main(["batch", str(job(3)), "-o", str(fresh), "--quiet"]) == 0
@@ -621,7 +586,7 @@ def test_a_side_lane_that_dies_fails_its_stage_only(tmp_path, tiny_llama_dir, mo
             pass
     monkeypatch.setattr(lanes, "SideLane", DeadSide)
     monkeypatch.setattr(runner, "two_lanes", lambda device: True)
-    job = _one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
+    job = batches.one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
     out = tmp_path / "out"
     code = quantize_main(["batch", str(job), "-o", str(out), "--quiet"])
     m = json.loads((out / "m" / "manifest.json").read_text())
@@ -661,3 +626,61 @@ def test_side_lane_reports_its_process_death_and_starts_anew():
         lane.close()
     assert pids[0] != pids[1]
 
+
+#: ``python -c`` program: ``quantize batch JOB -o OUT`` with the GGUF policy on the side lane,
+#: the process SIGKILLed when it records that output (``record``: before its manifest entry
+#: is written) or installs it (``install``: after the entry, before the rename into place)
+_KILLED_AT = """
+import os, signal, sys
+from quantpress.batch import model_run, runner
+from quantpress.cli.quantize_main import main
+
+point, job, out = sys.argv[1:]
+runner.two_lanes = lambda device: True
+
+def kill_at(real, out_of):
+    def f(*a, **k):
+        if str(out_of(*a)).endswith(".gguf"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+    return f
+
+if point == "record":
+    model_run.ModelRun.record = kill_at(model_run.ModelRun.record, lambda self, oc, *a: oc.out)
+else:
+    model_run.install = kill_at(model_run.install, lambda tmp, out: out)
+sys.exit(main(["batch", job, "-o", out, "--quiet"]))
+"""
+
+
+@pytest.mark.parametrize("point", ["record", "install"])
+def test_side_lane_output_killed_around_its_record_is_resumed(tmp_path, tiny_llama_dir, point, capsys):
+    """The GGUF policy made on the side lane, the batch killed as the main process records
+    it: before its manifest entry is written the output is not in place (only verified under
+    ``.work/``), so the re-run makes it without ``--force``; after the entry, before the
+    rename, the re-run installs the verified output and keeps it. Either way the re-run
+    ends with the output in place and intact and no ``.work/`` left."""
+    import os
+    import subprocess
+    import sys
+
+    from quantpress.batch import manifest as mf
+
+    job = _one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", _KILLED_AT, point, str(job), str(out)], capture_output=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, timeout=600)
+    assert p.returncode == -9, p.stderr[-2000:]
+    gguf = out / "m" / "m-Q8_0.gguf"
+    entries = {e["path"]: e for e in json.loads((out / "m" / "manifest.json").read_text())["outputs"]}
+    assert not gguf.exists()
+    assert (point == "install") == (entries.get(gguf.name, {}).get("roundtrip") == "ok")
+
+    capsys.readouterr()
+    code = quantize_main(["batch", str(job), "-o", str(out), "--quiet", "--json"])
+    rows = {r["path"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert code == 0 and rows[gguf.name] == ("made" if point == "record" else "kept"), rows
+    m = json.loads((out / "m" / "manifest.json").read_text())
+    entry = next(e for e in m["outputs"] if e["path"] == gguf.name)
+    assert entry["roundtrip"] == "ok" and mf.intact(out / "m", entry)
+    assert not (out / "m" / ".work").exists()

@@ -44,14 +44,8 @@ def _count_calls(monkeypatch) -> list[int]:
 def lanes(monkeypatch):
     """Three lanes (this thread and two workers), slices of 4,096 elements, sharing from any
     size; the workers are ended afterwards."""
-    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    assert processes.start_codec_processes(2) == 2
-    yield _count_calls(monkeypatch)
-    torch.set_num_threads(before)
-    processes.close_codec_processes()
+    with procs.codec_processes(monkeypatch):
+        yield _count_calls(monkeypatch)
 
 
 def _blocks(seed: int) -> torch.Tensor:
@@ -121,27 +115,11 @@ def test_workers_slow_to_start(monkeypatch):
         time.sleep(1.0)
         real(*args)
     monkeypatch.setattr(processes, "_serve", slow)
-    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        assert processes.start_codec_processes(2) == 2
+    with procs.codec_processes(monkeypatch):
         taken = _count_calls(monkeypatch)
         x = _blocks(5)
         out = ggml.quantize(x, "Q4_K")
         assert taken and torch.equal(out, _one_thread(lambda: ggml.quantize(x, "Q4_K")))
-    finally:
-        torch.set_num_threads(before)
-        processes.close_codec_processes()
-
-
-def failing_codec(x: torch.Tensor) -> torch.Tensor:
-    """A block codec that fails on a slice whose first value is exactly 7 (module level: a
-    worker finds it by name)."""
-    if float(x[0, 0]) == 7.0:
-        raise ValueError("slice starting with 7")
-    return (x * 2).to(torch.float32)
 
 
 def sleeping_codec(x: torch.Tensor) -> torch.Tensor:
@@ -154,9 +132,9 @@ def test_a_codec_error_in_a_worker_is_raised_here(lanes):
     x = torch.ones(64, 256)
     x[16, 0] = 7.0              # slices of 16 rows: this thread takes the last, the workers the first two
     with pytest.raises(ValueError, match="slice starting with 7"):
-        common.map_block_slices(failing_codec, x, search=True)
+        common.map_block_slices(procs.failing_codec, x, search=True)
     x[16, 0] = 1.0
-    assert torch.equal(common.map_block_slices(failing_codec, x, search=True), x * 2)
+    assert torch.equal(common.map_block_slices(procs.failing_codec, x, search=True), x * 2)
 
 
 def test_a_worker_killed_during_a_call_fails_it(lanes):

@@ -327,6 +327,33 @@ def test_shared_reference_pass_two_static_outputs(tiny_llama_dir, tmp_path):
                                  for p in ("gate", "up", "down") for s in ("weight_scale", "input_scale")}
 
 
+def test_static_calibration_runs_in_float32(tiny_llama_dir, tmp_path, capsys):
+    """``quantize fp8`` offers no --dtype: static's calibration pass runs in float32 whatever the
+    checkpoint's dtype (float16 here), so the command's input scales are those of an explicit
+    float32 pass, and differ from a bfloat16 pass's (so the comparison can fail)."""
+    from quantpress.cli.quantize_main import main as quantize_main
+    from quantpress.targets import ComputeOptions
+
+    with pytest.raises(SystemExit):
+        quantize_main(["fp8", "--help"])
+    assert "--dtype" not in capsys.readouterr().out
+    cli = tmp_path / "cli"
+    assert quantize_main(["fp8", str(tiny_llama_dir), "-o", str(cli), "--scheme", "static", "--samples", "4",
+                          "--seqlen", "64", "--device", "cpu", "--quiet"]) == 0
+
+    def input_scales(d: Path) -> dict[str, torch.Tensor]:
+        t = load_file(d / "model.safetensors")
+        return {k: v for k, v in t.items() if k.endswith(".input_scale")}
+
+    got = input_scales(cli)
+    assert len(got) == 14 and {v.dtype for v in got.values()} == {torch.float16}   # the checkpoint's
+    for dtype, same in (("float32", True), ("bfloat16", False)):
+        src = Source(tiny_llama_dir, ComputeOptions(device="cpu", dtype=dtype), CALIB, progress=False)
+        produce(FP8Options(scheme="static"), src, tmp_path / dtype, progress=False)
+        other = input_scales(tmp_path / dtype)
+        assert all(torch.equal(bits(got[k]), bits(other[k])) for k in got) == same, dtype
+
+
 # --------------------------------------------------------------------------------------------
 # (3) SmolLM2 through transformers + compressed-tensors
 

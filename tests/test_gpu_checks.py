@@ -40,6 +40,8 @@ def test_cpu_against_cpu_is_identical_everywhere(smoke):
     r = json.loads(out.read_text())
     assert r["devices"] == {"a": "cpu", "b": "cpu"} and r["torch"] and r["seconds"] > 0
     assert {"device", "cuda", "checks"} <= set(r)
+    # no --calib: the default text of every command, exllamav2's wiki.utf8 split
+    assert r["calibration"]["text"].endswith("standard_cal_data/wiki.utf8 (default split)"), r["calibration"]
     checks = r["checks"]
     assert set(checks) == {"ggml", "awq", "exl2", "stages", "batch"}
     for name, c in checks.items():
@@ -232,6 +234,29 @@ def test_hessian_noise_perturbs_every_factorization_while_active():
     assert torch.equal(noisy, again) and not torch.equal(noisy, plain)
     with gpu_checks.hessian_noise(0.0):
         assert gptq.hessian_factor is real and torch.equal(real(H, 64).upper, plain)
+
+
+def test_calibration_text_is_the_default_data_or_a_clear_error(tmp_path, monkeypatch):
+    """No --calib: exllamav2's standard_cal_data, as every command reads it; when that can be
+    neither found nor fetched, an error naming --calib (never a file of the repository)."""
+    import gpu_checks
+    from quantpress import assets
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    assert gpu_checks.calibration_text(str(text)) == (str(text.resolve()), None)
+    with pytest.raises(gpu_checks.CheckError, match=r"^--calib .*nope\.txt: no such file$"):
+        gpu_checks.calibration_text(str(tmp_path / "nope.txt"))
+    assert gpu_checks.calibration_text(None) == (None, assets.standard_cal_data())
+
+    def offline():
+        raise OSError("no network")
+    monkeypatch.setattr(assets, "standard_cal_data", offline)
+    with pytest.raises(gpu_checks.CheckError) as e:
+        gpu_checks.calibration_text(None)
+    msg = str(e.value)
+    assert msg.startswith("no calibration text: cannot fetch exllamav2's calibration data") and "--calib FILE" in msg
+    assert "\n" not in msg and "README" not in msg
 
 
 def test_no_cuda_exits_2_with_one_line(tmp_path):

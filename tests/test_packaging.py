@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,23 +24,44 @@ from quantpress import assets
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _pip(*args, python=sys.executable, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, **kw)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    return p
-
-
 def _outside_env() -> dict[str, str]:
     """This process's environment without what would let the repository's files or this
     virtual environment leak into a command run in the fresh one."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
+def _pip(*args, python=sys.executable, **kw) -> subprocess.CompletedProcess:
+    """``python -m pip ARGS`` in :func:`_outside_env` (the suite runs with PYTHONPATH=src: kept,
+    pip and the build would see the source tree's package beside the one they build or
+    install)."""
+    p = subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True,
+                       env=_outside_env(), **kw)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return p
+
+
+def _package_files() -> list[str]:
+    """Every file of the source tree's package, as wheel paths (``quantpress/...``), caches
+    and compiled files left out."""
+    src = REPO / "src"
+    return sorted(f.relative_to(src).as_posix() for f in (src / "quantpress").rglob("*")
+                  if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """``pip wheel .`` of this checkout (no dependencies, this environment's setuptools)."""
+    """``pip wheel`` of this checkout (no dependencies, this environment's setuptools), built
+    from a copy of what the build reads (pyproject.toml, README.md, src/ without caches): an
+    in-tree build would reuse a stale ``build/`` left by an earlier one, whose copies of the
+    data files hide a file the package data no longer names, and would leave ``build/`` and
+    ``src/quantpress.egg-info`` in the checkout."""
+    tree = tmp_path_factory.mktemp("tree")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, tree / name)
+    shutil.copytree(REPO / "src", tree / "src",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     d = tmp_path_factory.mktemp("wheel")
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(d), str(REPO))
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(d), str(tree))
     (whl,) = d.glob("quantpress-*.whl")
     return whl
 
@@ -51,10 +73,12 @@ def test_wheel_has_one_top_level_package(wheel):
     info = [t for t in top if t.endswith(".dist-info")]
     assert len(info) == 1 and info[0].startswith("quantpress-")
     assert top - set(info) == {"quantpress"}, sorted(top)
-    # the data and every layer are in it; the repository's scripts and tests are not
-    for must in ("quantpress/configs/gguf_policies.toml", "quantpress/assets.py",
-                 "quantpress/targets/base.py", "quantpress/cli/convert_main.py", "quantpress/__main__.py"):
-        assert must in names, must
+    # every file of the package (its modules and its data: the configs/*.toml a missing
+    # package-data entry would leave out) and nothing else; not the repository's scripts and tests
+    files = [n for n in names if not n.startswith(info[0] + "/")]
+    package = _package_files()
+    assert "quantpress/configs/gguf_policies.toml" in package and "quantpress/__main__.py" in package
+    assert sorted(files) == package, sorted(set(files) ^ set(package))
     meta = zipfile.ZipFile(wheel).read(f"{info[0]}/METADATA").decode()
     requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     runtime = [r for r in requires if "extra ==" not in r]
@@ -107,6 +131,10 @@ def test_fresh_install_runs_the_commands(fresh_venv, tiny_llama_dir, tmp_path):
     assert probe.returncode == 0, probe.stderr
     where, test_stack = probe.stdout.splitlines()
     assert where.startswith(str(fresh_venv)) and test_stack == "[]", probe.stdout
+    # the installed package holds the data files the commands read (not the source tree's)
+    installed = Path(where).parent
+    for name in (REPO / "src" / "quantpress" / "configs").glob("*.toml"):
+        assert (installed / "configs" / name.name).read_bytes() == name.read_bytes(), name.name
 
     out = work / "tiny-Q4_K_M.gguf"
     p = subprocess.run([str(bin_ / "convert"), "hf-to-gguf", str(tiny_llama_dir), "--policy", "Q4_K_M",

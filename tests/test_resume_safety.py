@@ -7,18 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import batches
 import numpy as np
 import pytest
-import synth
 import make
 import torch
 from quantpress.calibration import checkpoint as ckpt_mod
-from quantpress.calibration.checkpoint import KILL_HOOK, LayerCheckpoint
+from quantpress.calibration.checkpoint import LayerCheckpoint
 from quantpress.calibration.stats import LinearStats
 from quantpress.calibration.statefiles import load_state, load_tensor, save_state, save_tensor
 from quantpress.cli.quantize_main import main as quantize_main
@@ -203,34 +200,6 @@ def test_checkpoint_refuses_a_planted_file_and_keeps_the_directory(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["key.json"] and not marker.exists()
 
 
-@pytest.fixture(scope="module")
-def three_layer_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 3-layer llama: room for a pass to be killed between layers."""
-    return synth.make_model(tmp_path_factory.mktemp("resume_three"), "llama", smollm2_dir, seed=2,
-                            num_hidden_layers=3)
-
-
-def _job(path: Path, source: Path, outputs: str) -> Path:
-    path.write_text(f"""
-[defaults]
-device = "cpu"
-calib = {{ samples = 2, seqlen = 32 }}
-[[model]]
-source = "{source}"
-name = "m"
-{outputs}
-""")
-    return path
-
-
-def _batch(job: Path, out: Path, kill: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != KILL_HOOK}
-    env.update(OMP_NUM_THREADS="1", **({KILL_HOOK: kill} if kill else {}))
-    quantize = Path(sys.executable).parent / "quantize"
-    return subprocess.run([str(quantize), "batch", str(job), "-o", str(out), "--quiet", "--json"],
-                          env=env, capture_output=True, text=True, timeout=900)
-
-
 def _files(d: Path) -> dict[str, str]:
     return {k: v for k, v in make.digests(d).items() if k not in ("manifest.json", "README.md")}
 
@@ -245,10 +214,10 @@ def test_planted_pickle_in_an_interrupted_job_is_refused(tmp_path, three_layer_d
     marker = tmp_path / "planted-ran"
     # the GGUF output first, in a run of its own: in one run it is written in a second lane,
     # which a kill of the first lane may stop between installing it and recording it
-    p = _batch(_job(tmp_path / "g.toml", three_layer_dir, 'gguf = ["Q8_0"]'), out)
+    p = batches.batch_process(batches.one_model_job(tmp_path / "g.toml", three_layer_dir, 'gguf = ["Q8_0"]'), out)
     assert p.returncode == 0, p.stderr[-2000:]
-    job = _job(tmp_path / "j.toml", three_layer_dir, 'gguf = ["Q8_0"]\nimatrix = true')
-    p = _batch(job, out, "reference:1")
+    job = batches.one_model_job(tmp_path / "j.toml", three_layer_dir, 'gguf = ["Q8_0"]\nimatrix = true')
+    p = batches.batch_process(job, out, "reference:1")
     assert p.returncode == -9, p.stderr[-2000:]
     m = out / "m"
     ckpt = m / ".work" / "reference.ckpt"
@@ -258,7 +227,7 @@ def test_planted_pickle_in_an_interrupted_job_is_refused(tmp_path, three_layer_d
     for name in ("layer-0.safetensors", "layer-0.pt"):
         _plant(ckpt / name, marker)
         before = _files(m)
-        p = _batch(job, out)
+        p = batches.batch_process(job, out)
         assert p.returncode == 2, p.stderr[-2000:]
         row = {r["path"]: r for r in json.loads(p.stdout)}["m.imatrix.gguf"]
         assert (row["status"], row["code"]) == ("failed", 2) and f"{ckpt / name}: not a" in row["error"], row
@@ -270,7 +239,7 @@ def test_planted_pickle_in_an_interrupted_job_is_refused(tmp_path, three_layer_d
         else:
             (ckpt / name).write_bytes(real)
 
-    p = _batch(job, out)
+    p = batches.batch_process(job, out)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "reference: resuming at layer 2 (layers 0-1 kept" in p.stderr
     rows = {r["path"]: (r["status"], r["resumed_at"]) for r in json.loads(p.stdout)}
@@ -280,13 +249,13 @@ def test_planted_pickle_in_an_interrupted_job_is_refused(tmp_path, three_layer_d
     assert (m / "m.imatrix.gguf").read_bytes() == single.read_bytes()
 
     # a pass of the output's own (GPTQ): refused the same way, and that output alone fails
-    job = _job(tmp_path / "q.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
+    job = batches.one_model_job(tmp_path / "q.toml", three_layer_dir, "gptq = [{ group_size = 64 }]")
     out = tmp_path / "gout"
-    p = _batch(job, out, "m-GPTQ-w4g64:0")
+    p = batches.batch_process(job, out, "m-GPTQ-w4g64:0")
     assert p.returncode == -9, p.stderr[-2000:]
     gck = out / "m" / ".work" / "m-GPTQ-w4g64.ckpt"
     _plant(gck / "layer-0.safetensors", marker)
-    p = _batch(job, out)
+    p = batches.batch_process(job, out)
     assert p.returncode == 2, p.stderr[-2000:]
     (row,) = json.loads(p.stdout)
     assert (row["status"], row["code"]) == ("failed", 2), row
@@ -322,7 +291,7 @@ def test_every_consumer_state_round_trips(tmp_path, three_layer_dir, monkeypatch
         (seen / f"{self.name}-{index}").write_text(json.dumps(sorted(_classes(state))))
 
     monkeypatch.setattr(ckpt_mod.LayerCheckpoint, "commit", checked)
-    job = _job(tmp_path / "j.toml", three_layer_dir,
+    job = batches.one_model_job(tmp_path / "j.toml", three_layer_dir,
                'imatrix = true\nawq = [{ group_size = 64 }]\nfp8 = [{ scheme = "static" }]\n'
                'gptq = [{ group_size = 64 }]\nexl2 = [{ bpw = 4.0 }]')
     assert quantize_main(["batch", str(job), "-o", str(tmp_path / "out"), "--quiet"]) == 0

@@ -26,7 +26,7 @@ import torch
 
 from quantpress import workers
 from quantpress.errors import InputError
-from quantpress.quantize.ggml import common, processes
+from quantpress.quantize.ggml import common
 
 
 def raises_value_error(n: int) -> int:
@@ -77,33 +77,17 @@ def test_errors_that_cannot_travel_become_runtime_errors_with_the_traceback():
     assert "in raises_input_error" in str(info.value.__cause__)
 
 
-def failing_codec(x: torch.Tensor) -> torch.Tensor:
-    """A block codec that fails on a slice whose first value is exactly 7."""
-    if float(x[0, 0]) == 7.0:
-        raise ValueError("slice starting with 7")
-    return x * 2
-
-
 def test_a_codec_processs_error_carries_its_traceback(monkeypatch):
-    monkeypatch.setattr(common, "CPU_SLICE_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(common, "CPU_PARALLEL_ELEMENTS_SEARCH", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        assert processes.start_codec_processes(2) == 2
-        pids = processes.codec_process_ids()
-        assert set(pids) <= set(workers.worker_ids())
+    with procs.codec_processes(monkeypatch) as pids:
+        assert len(pids) == 2 and set(pids) <= set(workers.worker_ids())
         x = torch.ones(256, 256)
-        assert torch.equal(common.map_block_slices(failing_codec, x, search=True), x * 2)  # (all ready)
+        assert torch.equal(common.map_block_slices(procs.failing_codec, x, search=True), x * 2)  # (all ready)
         x[0, 0] = 7.0           # slices of 16 rows: this thread takes them from the end, the workers from the front
         with pytest.raises(ValueError, match="slice starting with 7") as info:
-            common.map_block_slices(failing_codec, x, search=True)
+            common.map_block_slices(procs.failing_codec, x, search=True)
         text = str(info.value.__cause__)
         assert "in failing_codec" in text and "quantpress-codec-" in text
         assert any(f"(pid {p})" in text for p in pids), text
-    finally:
-        torch.set_num_threads(before)
-        processes.close_codec_processes()
 
 
 def sleeper(conn) -> None:
@@ -167,8 +151,7 @@ def test_a_killed_conversion_leaves_no_child_and_no_file(sig, code, tiny_llama_d
         # the codec processes, the round trip's checker and the metadata's forked call, all
         # children of the command and running
         assert len(pids) >= 3 and procs.running(pids) == pids, pids
-        for pid in pids:
-            assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == p.pid
+        assert {procs.parent(pid) for pid in pids} == {p.pid}
         assert [f.name for f in out_dir.iterdir()] == [f".model.gguf.partial-{p.pid}"]  # being written
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)

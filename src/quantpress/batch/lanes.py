@@ -14,7 +14,10 @@ stage's outputs as that stage finishes.
 The protocol is the worker pool's pipe with pickled tuples (a failed request's exception
 carries the child's traceback, :func:`quantpress.workers.sendable`); the parent
 (:func:`quantpress.batch.runner.run_model`) decides what runs where and when, and alone
-records outcomes and writes the manifest.
+records outcomes, writes the manifest and renames the outputs into place: the child leaves
+each verified output among the model's verified outputs
+(:func:`quantpress.batch.stage_work.run_stage`), so that a batch killed before the parent
+wrote an output's entry leaves no output its manifest does not know.
 """
 from __future__ import annotations
 

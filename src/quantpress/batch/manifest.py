@@ -4,7 +4,9 @@ The manifest records every output of one model as the batch finished it (relativ
 file's SHA-256, bytes, bits per weight, round trip, seconds, evaluation) plus the calibration,
 the job's options and the versions of the software that made it. A re-run trusts an output
 only when its manifest entry says ``"roundtrip": "ok"``, its options are those of the job and
-every file still has the recorded checksum.
+every file still has the recorded checksum, in place or still among the verified outputs
+waiting to be installed (:func:`staged_dir`): the entry is written before the output is
+renamed into place.
 """
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ from quantpress.errors import InputError
 MANIFEST = "manifest.json"
 CARD = "README.md"
 CHUNK = 1 << 22
-#: a model's work in progress, ``OUT_ROOT/<name>/.work/``: temporary outputs and the
-#: checkpoints of the layer-streamed passes
+#: a model's work in progress, ``OUT_ROOT/<name>/.work/``: temporary outputs, the checkpoints
+#: of the layer-streamed passes, and (:data:`VERIFIED`) the outputs waiting for their entry
 WORK = ".work"
+#: under :data:`WORK`, the verified outputs whose manifest entry is not written yet: an output
+#: is renamed from here into place only after its entry is in the manifest, so that every
+#: output the model's directory holds is one the manifest records
+VERIFIED = "verified"
 
 
 def sha256_file(path: Path) -> str:
@@ -56,6 +62,18 @@ def intact(model_dir: Path, entry: dict) -> bool:
         return file_digests(p) == files
     except OSError:
         return False
+
+
+def staged_dir(model_dir: Path) -> Path:
+    """The directory of a model's verified outputs waiting for their manifest entry
+    (``<model_dir>/.work/verified``, :data:`VERIFIED`)."""
+    return Path(model_dir) / WORK / VERIFIED
+
+
+def staged_path(model_dir: Path, path: str) -> Path:
+    """Where the output ``path`` (relative to ``model_dir``) lies from its verification until
+    its manifest entry is written (:func:`staged_dir`)."""
+    return staged_dir(model_dir) / path
 
 
 def runtimes(kind: str) -> str:

@@ -2,6 +2,12 @@
 (:class:`ModelRun`): which stages are started and finished, the rows, and the manifest itself,
 written after every recorded output, locally (:func:`quantpress.batch.runner.run_model`) or
 for Ray tasks (:func:`quantpress.batch.ray_exec.run_batch_ray`).
+
+An output goes into place only through :meth:`ModelRun.record`: the stage left it verified
+among the model's verified outputs (:func:`quantpress.batch.manifest.staged_path`), the
+record writes its manifest entry, then renames it into place. A run killed before the entry
+is written leaves the output only under ``.work/`` (a re-run makes it again); one killed
+between the two leaves an entry whose files a re-run finds there, installs and keeps.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from quantpress.batch.jobfile import OutputJob
 from quantpress.batch.rows import Row, error_code, first_line
 from quantpress.batch.stages import ModelPlan, Stage, model_key, model_stages
 from quantpress.errors import InputError
-from quantpress.targets.base import Outcome, options_json
+from quantpress.targets.base import Outcome, install, options_json, remove_path
 
 
 class _Manifest:
@@ -45,26 +51,43 @@ class _Manifest:
         self.doc["calibration"].update(device=device, dtype=dtype)
 
     def record(self, o: OutputJob, oc: Outcome) -> Row:
-        """Write ``o``'s entry for the outcome ``oc``; the row."""
+        """Write ``o``'s entry for the outcome ``oc`` and, for a made output still at its
+        staged path, install it afterwards (an install that fails turns the entry into a
+        failure); the row."""
         p = self.plan.dir / o.path
-        base = {"kind": o.kind, "target": o.target, "path": o.path, "is_dir": p.is_dir(),
-                "options": options_json(o.options)}
         if oc.ok:
+            staged = mf.staged_path(self.plan.dir, o.path)
+            made = staged if staged.exists() or staged.is_symlink() else p
             s = oc.summary
-            self.entries[o.path] = {**base, "files": mf.file_digests(p), "bytes": s.bytes,
+            self.entries[o.path] = {"kind": o.kind, "target": o.target, "path": o.path,
+                                    "is_dir": made.is_dir(), "options": options_json(o.options),
+                                    "files": mf.file_digests(made), "bytes": s.bytes,
                                     "bpw": None if s.bpw is None else round(s.bpw, 4),
                                     "roundtrip": "ok", "seconds": round(s.seconds, 2), "eval": None}
             if s.details.get("resumed_at_layer"):
                 self.entries[o.path]["resumed_at_layer"] = s.details["resumed_at_layer"]
-            row = Row(self.plan.job.name, o.kind, o.target, o.path, "made", s.seconds, s.bytes, s.bpw,
-                      resumed_at=int(s.details.get("resumed_at_layer", 0)))
-        else:
-            self.entries[o.path] = {**base, "files": {}, "bytes": 0, "bpw": None, "roundtrip": "failed",
-                                    "error": first_line(oc.error), "seconds": 0.0, "eval": None}
-            row = Row(self.plan.job.name, o.kind, o.target, o.path, "failed",
-                      error=first_line(oc.error), code=error_code(oc.error))
+            # the entry first: a kill before the rename leaves an output a re-run installs
+            self.write()
+            try:
+                if made is staged:
+                    install(staged, p)
+            except OSError as e:
+                return self._failed(o, e)
+            return Row(self.plan.job.name, o.kind, o.target, o.path, "made", s.seconds, s.bytes, s.bpw,
+                       resumed_at=int(s.details.get("resumed_at_layer", 0)))
+        return self._failed(o, oc.error)
+
+    def _failed(self, o: OutputJob, error: Exception) -> Row:
+        p = self.plan.dir / o.path
+        # a failed output leaves nothing, also not what its stage verified before it failed
+        remove_path(mf.staged_path(self.plan.dir, o.path))
+        self.entries[o.path] = {"kind": o.kind, "target": o.target, "path": o.path, "is_dir": p.is_dir(),
+                                "options": options_json(o.options), "files": {}, "bytes": 0, "bpw": None,
+                                "roundtrip": "failed", "error": first_line(error), "seconds": 0.0,
+                                "eval": None}
         self.write()
-        return row
+        return Row(self.plan.job.name, o.kind, o.target, o.path, "failed",
+                   error=first_line(error), code=error_code(error))
 
     def write(self) -> None:
         """Write manifest.json (atomically) and the model card from the entries, in the job's
@@ -80,7 +103,8 @@ class ModelRun:
     (:func:`quantpress.batch.runner.run_model`) or as Ray tasks
     (:func:`quantpress.batch.ray_exec.run_batch_ray`): the rows, the manifest (written here
     only, after every recorded output) and which stages are started and finished. Creating it makes the output directory and reports the kept
-    outputs. ``eval_each`` / ``together``: as
+    outputs (installing one that was recorded but not yet renamed into place, and dropping
+    the verified outputs that were never recorded). ``eval_each`` / ``together``: as
     :func:`~quantpress.batch.stages.model_stages` (Ray scores each stage's outputs; a local
     run makes its EXL2 targets in one stage)."""
 
@@ -98,8 +122,14 @@ class ModelRun:
         prev = {e["path"]: e for e in (plan.previous or {}).get("outputs", [])}
         for o in plan.keep:
             e = prev[o.path]
+            staged = mf.staged_path(plan.dir, o.path)
+            # recorded, then killed before its rename: kept from where it waits
+            if (staged.exists() or staged.is_symlink()) and not mf.intact(plan.dir, e):
+                install(staged, plan.dir / o.path)
             self.emit(Row(job.name, o.kind, o.target, o.path, "kept", e.get("seconds", 0.0),
                           e.get("bytes", 0), e.get("bpw")))
+        # what else waits there was never recorded: its output is made again
+        remove_path(mf.staged_dir(plan.dir))
         self.man = _Manifest(plan)
 
     def emit(self, r: Row) -> None:
@@ -148,8 +178,9 @@ class ModelRun:
         return [(o, replace(o.options, **{key: str(self.plan.dir / path)})) for o in stage.outputs]
 
     def record(self, oc: Outcome, device: str | None = None, dtype: str | None = None) -> None:
-        """Record one output's outcome ``oc``: its manifest entry and row. ``device`` /
-        ``dtype``: where it was computed (None: not known)."""
+        """Record one output's outcome ``oc`` (``out`` its final path): its manifest entry
+        and row; a made output left at its staged path is renamed into place once the entry
+        is written. ``device`` / ``dtype``: where it was computed (None: not known)."""
         if device is not None:  # None: the task could not open the model
             self.man.computed_on(device, dtype)
         o = next(o for o in self.plan.job.outputs if self.plan.dir / o.path == Path(oc.out))
@@ -202,7 +233,7 @@ class ModelRun:
     def close(self) -> list[Row]:
         """Write the manifest a last time, remove an empty ``.work/``; the rows."""
         self.man.write()
-        work = self.plan.dir / mf.WORK
-        if work.is_dir() and not any(work.iterdir()):
-            work.rmdir()
+        for d in (mf.staged_dir(self.plan.dir), self.plan.dir / mf.WORK):
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
         return self.rows

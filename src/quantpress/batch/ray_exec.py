@@ -10,12 +10,13 @@ when the cluster has GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``, so ``device = "aut
 task's own GPU) and one CPU otherwise (Ray then gives it one intra-op thread).
 
 A stage task is a Ray generator (:func:`_stage_task`): it streams each output's
-:class:`~quantpress.targets.base.Outcome` as the output is verified and in place, and the
-driver records it at once (:class:`quantpress.batch.model_run.ModelRun`): the driver alone writes
-the manifests and the model cards, after every output, as a local run does, so a batch killed
-anywhere resumes the same way. The tasks write the outputs and their resumable work
-(``.work/``) into ``OUT_ROOT/<name>/``, which must be a path every node sees (a shared
-filesystem). ``ADDRESS`` is a running cluster (``ray start --head`` prints it; "auto" finds the
+:class:`~quantpress.targets.base.Outcome` as the output is verified (left among the model's
+verified outputs, :func:`quantpress.batch.stage_work.run_stage`), and the driver records it at
+once (:class:`quantpress.batch.model_run.ModelRun`): the driver alone writes the manifests and
+the model cards, after every output, and renames the output into place once its entry is
+written, as a local run does, so a batch killed anywhere resumes the same way. The tasks
+write the outputs and their resumable work (``.work/``) into ``OUT_ROOT/<name>/``, which must
+be a path every node (and the driver) sees (a shared filesystem). ``ADDRESS`` is a running cluster (``ray start --head`` prints it; "auto" finds the
 local one); without it a local Ray instance is started, which also serves several GPUs of one
 box. Scheduling, placement and the transport of results are Ray's.
 """

@@ -17,7 +17,8 @@ per process:
    against every model output;
 
 ``manifest.json`` and ``README.md`` (the model card) rewritten after every output by the
-process that owns the model (:class:`~quantpress.batch.model_run.ModelRun`). :func:`run_model` runs the
+process that owns the model (:class:`~quantpress.batch.model_run.ModelRun`), which alone
+renames each output into place, after its entry is written. :func:`run_model` runs the
 stages in this process (one lane, or two with :mod:`quantpress.batch.lanes`' side lane);
 ``--ray`` runs each as a Ray task once what it waits for is finished
 (:mod:`quantpress.batch.ray_exec`). What a stage does wherever it runs is
@@ -63,12 +64,14 @@ def run_model(plan: ModelPlan, progress: bool = True,
     stays within half the memory available when the model started (``MemAvailable``). A
     scoring that starts when this lane has nothing left to do scores two outputs at once
     (``Evaluation.report(side_by_side=2)``) when twice its working memory fits that budget.
-    Only this process records outcomes and writes the manifest.
+    Only this process records outcomes, writes the manifest and renames the outputs into
+    place (:meth:`~quantpress.batch.model_run.ModelRun.record`).
 
-    Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs and the
-    checkpoints of the layer-streamed passes): a run killed inside a pass resumes at the layer
-    it reached (the row's ``resumed_at``); ``log`` gets the messages about saved work (resumed,
-    or discarded because the job or the code changed)."""
+    Work in progress lives in ``OUT_ROOT/<name>/.work/`` (temporary outputs, the checkpoints
+    of the layer-streamed passes, the verified outputs waiting for their manifest entry): a
+    run killed inside a pass resumes at the layer it reached (the row's ``resumed_at``);
+    ``log`` gets the messages about saved work (resumed, or discarded because the job or the
+    code changed)."""
     try:
         source = open_source(plan, progress)
     except Exception as e:  # the model cannot even be opened: every output fails

@@ -36,8 +36,10 @@ class ModelPlan:
 
 
 def plan_model(job: ModelJob, out_root: Path, force: bool = False) -> ModelPlan:
-    """Which outputs of ``job`` are finished (kept) and which are to be made. InputError when an
-    output path exists that no earlier run of this batch made (unless ``force``)."""
+    """Which outputs of ``job`` are finished (kept: recorded ok with the job's options, and
+    intact in place or still waiting to be installed, :func:`~quantpress.batch.manifest.staged_dir`)
+    and which are to be made. InputError when an output path exists that no earlier run of
+    this batch made (unless ``force``)."""
     mdir = Path(out_root) / job.name
     prev = mf.read_manifest(mdir) if mdir.is_dir() else None
     same_model = prev is not None and prev.get("job") == model_key(job)
@@ -46,7 +48,8 @@ def plan_model(job: ModelJob, out_root: Path, force: bool = False) -> ModelPlan:
     for o in job.outputs:
         e = by_path.get(o.path)
         if (same_model and e is not None and e.get("roundtrip") == "ok"
-                and e.get("options") == options_json(o.options) and mf.intact(mdir, e)):
+                and e.get("options") == options_json(o.options)
+                and (mf.intact(mdir, e) or mf.intact(mf.staged_dir(mdir), e))):
             keep.append(o)
             continue
         p = mdir / o.path

@@ -7,7 +7,10 @@ layer's tensors from the checkpoint (no forward pass, no calibration); ``static`
 calibration rows through the layer-streaming engine on the reference hidden states (a pass
 that ``quantize batch`` shares with the other calibrated outputs of the model), capturing the
 largest |x| at every linear's input (:class:`quantpress.calibration.stats.StatsCollector`,
-kind ``amax``) — each linear quantized by the codec :mod:`quantpress.quantize.fp8` in the
+kind ``amax``). That forward pass runs in the compute dtype, which ``quantize fp8`` fixes at
+float32 whatever the checkpoint's dtype (it offers no ``--dtype``), so that the input scales
+do not depend on an option; in a batch, the pass is the model's shared one, in the job's
+``dtype`` (float32 unless the job sets it) — each linear quantized by the codec :mod:`quantpress.quantize.fp8` in the
 checkpoint's own dtype, on the compute device → :func:`quantpress.convert.fp8_dir.dir_writer`
 (a part file per layer, then shards, index, config, tokenizer files) → the round trip (every
 linear re-read from the final files and dequantized by the container's reference procedure,
@@ -47,7 +50,8 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FP8Options:
     """``scheme``: ``dynamic`` (per-output-channel weight scales, activations scaled per token
     at run time; no calibration), ``static`` (one weight scale per tensor and one calibrated
-    ``input_scale`` per linear, max |x| / 448 over the calibration rows) or ``block`` (one
+    ``input_scale`` per linear, max |x| / 448 over the calibration rows in a float32 forward
+    pass, stored in the checkpoint's dtype) or ``block`` (one
     scale per 128 × 128 weight block, activations per group of 128 at run time; no
     calibration). ``ignore``: more linears to keep in the source precision besides
     ``lm_head`` (module names, or ``re:REGEX`` matched from the start of the name, as
@@ -59,7 +63,8 @@ class FP8Options:
     scheme: str = option("dynamic", flag="--scheme",
                          help="dynamic: per-channel weight scales, per-token activation scales at run "
                               "time (default; no calibration); static: per-tensor weight scales and "
-                              "calibrated input_scale; block: one scale per 128x128 weight block")
+                              "input_scale calibrated by a float32 forward pass; block: one scale per "
+                              "128x128 weight block")
     ignore: tuple[str, ...] = option((), flag="--ignore", nargs="+", metavar="NAME",
                                      help="more linears to keep unquantized besides lm_head: module "
                                           "names or re:REGEX")
@@ -179,7 +184,8 @@ class FP8Target(Target, kind="fp8", options=FP8Options, output_is_dir=True):
     resumable = True
     writer: fp8_dir.ModelDirWriter | None = None
     # no --dtype: the codec rounds every weight in the checkpoint's own dtype, whatever the
-    # compute dtype, so the option would change nothing
+    # compute dtype, and static's calibration pass runs in float32 (the default compute
+    # dtype): its input scales are those of one defined dtype, not of an option
     verbs = (Verb("quantize", "fp8", "FP8 E4M3 weights (and activation scales) in the "
                                      "compressed-tensors format (vLLM, transformers)", dtype=False),)
     job_key = "fp8"

@@ -37,9 +37,10 @@ cores instead of leaving the checker processes theirs, each tensor's check whole
 (``gguf_roundtrip.CHECK_PART_ELEMENTS`` unbounded), up to as many checkers as idle cores
 (``VERIFY_WORKERS``) and our half of the check (our dequantization, the error against the
 source) in the checkers instead of on the writer's device (``FIGURES_ON_WRITER = False``: the
-sources copied to them), and with the checkers' staging areas (``gguf_roundtrip.STAGING_BYTES``
-together) a quarter and half their size, each twice, alternating, after a warm-up run: what
-each setting is worth on this machine.
+sources copied to them), and with the checkers' staging areas (off the CPU
+``gguf_roundtrip.STAGING_BYTES`` together, a quarter and half their size; on the CPU the one
+checker's ``SOLE_STAGING_BYTES``, twice and four times its size), each twice, alternating,
+after a warm-up run: what each setting is worth on this machine.
 
 `--stages` adds, in one more process, quantize+write of the same plan without and with the
 round trip, each twice after a warm-up run, with the seconds spent in each of its parts:
@@ -306,7 +307,7 @@ lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
 #: settings, with and without the round trip, in one process
 WINDOWS = WITH_CHECKERS + """
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
-staging_default = gguf_roundtrip.STAGING_BYTES
+staging_default = gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES
 rule, taken = gguf_file.codecs_leave_a_core, gguf_file.cores_taken
 leaves = rule([(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors)
 
@@ -344,14 +345,17 @@ for verify in (False, True):
         elif verify:
             once("round trip, the writer's CPU ops on every core", True, *defaults, leave=False)
         if verify:
-            # the checkers' staging areas (STAGING_BYTES together), smaller: new checkers
-            for staging in (staging_default // 4, staging_default // 2):
+            # the checkers' staging areas (STAGING_BYTES together off the CPU, smaller; the
+            # CPU's one checker: SOLE_STAGING_BYTES, larger): new checkers
+            together, sole = staging_default
+            for staging in ((together // 4, together // 2) if dev.type != "cpu" else (sole * 2, sole * 4)):
                 gguf_roundtrip.close_checkers()
-                gguf_roundtrip.STAGING_BYTES = staging
+                gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES = \
+                    (staging, sole) if dev.type != "cpu" else (together, staging)
                 gguf_roundtrip.start_checkers(dev)
                 once(f"round trip, staging areas of {staging >> 20} MiB together", True, *defaults)
             gguf_roundtrip.close_checkers()
-            gguf_roundtrip.STAGING_BYTES = staging_default
+            gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES = staging_default
             gguf_roundtrip.start_checkers(dev)
         if verify and dev.type != "cpu":
             # each tensor's check whole in one checker, then as many checkers as idle cores

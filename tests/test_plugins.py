@@ -82,3 +82,15 @@ def test_a_bad_plugin_is_one_line_naming_the_entry_point(tmp_path, monkeypatch, 
     assert "\n" not in text, text
     assert text.startswith(f"plugin entry point 'bad = {value}' (group quantpress.targets): "), text
     assert re.search(message, text), text
+
+
+def test_a_bad_plugin_makes_the_command_exit_2_with_one_line(tmp_path):
+    """The command itself (building its verbs loads the plugins): exit 2 and the one line
+    naming the entry point on stderr, no traceback."""
+    site = _dist(tmp_path / "site", "badplugin", {"bad": "no_such_plugin_module"})
+    r = _run(site, "import sys\nfrom quantpress.cli.convert_main import main\n"
+                   "sys.exit(main(['hf-to-gguf', '--help']))\n")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "error: plugin entry point 'bad = no_such_plugin_module' (group quantpress.targets): "
+        "cannot be imported: ModuleNotFoundError: No module named 'no_such_plugin_module'"], r.stderr

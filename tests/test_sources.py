@@ -64,11 +64,11 @@ def _err(capsys) -> list[str]:
 
 def test_repo_id_converts_as_its_directory(models, hub, tmp_path):
     """``convert hf-to-gguf ORG/NAME`` in a fresh process, with HF_HUB_CACHE pointing at the
-    cache, writes the bytes that the snapshot directory given as a path does. Against the
-    original directory every tensor and every other key is equal; the naming keys differ:
-    gguf-py derives ``general.name`` and ``general.finetune`` from the directory's name, here
-    the snapshot's commit hash, as llama.cpp's convert_hf_to_gguf.py on that directory does
-    (its ``--remote`` sets the repo id as the name instead; the GGUF target does not yet)."""
+    cache, writes what the snapshot directory given as a path does, except ``general.name``:
+    the repo id, as llama.cpp's ``convert_hf_to_gguf.py --remote ORG/NAME`` sets it; the other
+    naming keys come from the directory's name (the snapshot's commit hash) in both, as
+    gguf-py's heuristics derive them. Against the original directory every tensor and every
+    other key is equal."""
     from gguf import GGUFReader
 
     cache, snaps = hub
@@ -81,20 +81,23 @@ def test_repo_id_converts_as_its_directory(models, hub, tmp_path):
     for name, src in (("snap.gguf", snaps["main"]), ("dir.gguf", models[0])):
         assert convert_main(["hf-to-gguf", str(src), "--policy", "F16", "-o", str(tmp_path / name),
                              "--quiet"]) == 0
-    repo = (tmp_path / "repo.gguf").read_bytes()
-    assert repo == (tmp_path / "snap.gguf").read_bytes()
+    a, s, b = (GGUFReader(tmp_path / n) for n in ("repo.gguf", "snap.gguf", "dir.gguf"))
+    def named(r):
+        return {k: f.contents() for k, f in r.fields.items() if k in DIR_NAME_KEYS}
 
-    a, b = GGUFReader(tmp_path / "repo.gguf"), GGUFReader(tmp_path / "dir.gguf")
-    named = {k: f.contents() for k, f in a.fields.items() if k in DIR_NAME_KEYS}
-    assert named == {"general.name": snaps["main"].name, "general.finetune": snaps["main"].name,
-                     "general.size_label": "1.8M"}, named
+    snap = snaps["main"].name
+    assert named(a) == {"general.name": REPO, "general.finetune": snap, "general.size_label": "1.8M"}
+    assert named(s) == {**named(a), "general.name": snap}
+
     def kept(r):
         return [(k, f.contents()) for k, f in r.fields.items()
                 if k not in DIR_NAME_KEYS and not k.startswith("GGUF.")]
 
-    assert kept(a) == kept(b) and "general.finetune" not in b.fields
-    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in a.tensors] == \
-        [(t.name, t.tensor_type, t.data.tobytes()) for t in b.tensors]
+    def tensors(r):
+        return [(t.name, t.tensor_type, t.data.tobytes()) for t in r.tensors]
+
+    assert kept(a) == kept(s) == kept(b) and "general.finetune" not in b.fields
+    assert tensors(a) == tensors(s) == tensors(b)
 
 
 def test_revision_picks_the_snapshot(models, hub, monkeypatch):
@@ -176,6 +179,16 @@ def test_job_file_source_may_be_a_repo_id(hub, tmp_path):
                    f'[[model]]\nsource = "{REPO}"\nrevision = "v1"\nname = "b"\ngguf = ["Q8_0"]\n')
     jobs = read_jobs(job, tmp_path / "out")
     assert [(j.source, j.name) for j in jobs] == [(snaps["main"], "tiny-llama"), (snaps["v1"], "b")]
+    assert [(j.repo_id, j.revision) for j in jobs] == [(REPO, None), (REPO, "v1")]
+    # the manifest's card names what was made from by repo id and revision, not the snapshot path
+    from quantpress.batch.manifest import model_card
+    from quantpress.batch.model_run import ModelRun
+    from quantpress.batch.stages import plan_model
+
+    for j, rev in zip(jobs, ("main", "v1")):
+        doc = ModelRun(plan_model(j, tmp_path / "out")).man.doc
+        assert (doc["source"], doc["repo_id"], doc["revision"]) == (str(j.source), REPO, j.revision)
+        assert f"from `{REPO}@{rev}`;" in model_card({**doc, "outputs": []})
 
     job.write_text(f'[[model]]\nsource = "{REPO}"\nrevision = "v9"\ngguf = ["Q8_0"]\n')
     with pytest.raises(InputError) as e:

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import procs
 import pytest
@@ -98,6 +99,14 @@ def test_end_workers_leaves_none_running():
     started = [workers.start_worker(sleeper, name=f"quantpress-test-{i}") for i in range(2)]
     pids = [w.pid for w in started]
     assert set(pids) <= set(workers.worker_ids()) and procs.running(pids) == pids
+    if sys.platform.startswith("linux"):    # named for ps and scripts/trace_memory.py
+        for i, pid in enumerate(pids):
+            for _ in range(100):            # the child names itself first thing after its start
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                if comm == f"qp-test-{i}":
+                    break
+                time.sleep(0.05)
+            assert comm == f"qp-test-{i}", comm
     workers.end_workers()
     assert not procs.running(pids) and not set(pids) & set(workers.worker_ids())
 

@@ -100,7 +100,8 @@ class OutputJob:
 class ModelJob:
     """One [[model]] entry: ``index`` in the file, output prefix ``name``, ``source`` HF
     directory (for a repo id its cached snapshot), compute and calibration options, the
-    ``outputs`` in the order they are made, and ``eval`` (None: no evaluation)."""
+    ``outputs`` in the order they are made, ``eval`` (None: no evaluation), and for a repo-id
+    source its ``repo_id`` and the ``revision`` asked for (None: the default branch)."""
 
     index: int
     name: str
@@ -109,6 +110,8 @@ class ModelJob:
     calib: CalibOptions
     outputs: list[OutputJob] = field(default_factory=list)
     eval: EvalOptions | None = None
+    repo_id: str | None = None
+    revision: str | None = None
 
     @property
     def where(self) -> str:
@@ -237,7 +240,8 @@ def _model(entry: Any, index: int, defaults: dict, base: Path, file: Path,
     if calib.calib is not None and not Path(calib.calib).is_absolute() and (base / calib.calib).exists():
         calib = replace(calib, calib=str((base / calib.calib).resolve()))
 
-    job = ModelJob(index, name, source, compute, calib, _outputs(e, name, where, base))
+    job = ModelJob(index, name, source, compute, calib, _outputs(e, name, where, base),
+                   repo_id=resolved.repo_id, revision=resolved.revision)
     ev = e.get("eval", False)
     if isinstance(ev, dict):
         job.eval = build_options(EvalOptions, ev, f"{where}: eval")

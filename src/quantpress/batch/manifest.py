@@ -134,9 +134,12 @@ def model_card(manifest: dict) -> str:
     """The model card (Markdown) of a manifest: one table row per output (file, size, bpw,
     PPL, KLD, round trip, which runtime loads it) and how it was made."""
     m = manifest
+    origin = m['source']
+    if m.get("repo_id"):
+        origin = f"{m['repo_id']}@{m.get('revision') or 'main'}"
     lines = [f"# {m['model']}: quantized outputs", "",
              f"Made by quantpress {m.get('versions', {}).get('quantpress', '?')} from "
-             f"`{m['source']}`; every output passed its round trip before it was kept.", ""]
+             f"`{origin}`; every output passed its round trip before it was kept.", ""]
     cal = m.get("calibration") or {}
     if cal:
         lines += [f"Calibration: {cal.get('samples')} rows × {cal.get('seqlen')} tokens of "

@@ -39,6 +39,8 @@ class _Manifest:
                                     "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed,
                                     "device": None, "dtype": None},
                     "versions": mf.versions(), "job": model_key(job)}
+        if job.repo_id:     # the snapshot path says where, the repo id and revision say what
+            self.doc.update(repo_id=job.repo_id, revision=job.revision)
         if plan.previous and plan.previous.get("job") == model_key(job):
             for k in ("eval_base", "eval_options"):
                 if k in plan.previous:

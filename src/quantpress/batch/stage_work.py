@@ -30,7 +30,7 @@ def open_source(plan: ModelPlan, progress: bool = False) -> Source:
     """The model's :class:`Source`, its device and dtype resolved (so that a model that cannot
     be opened fails here, with whatever error opening it raises)."""
     job = plan.job
-    source = Source(job.source, job.compute, job.calib, progress=progress)
+    source = Source(job.source, job.compute, job.calib, progress=progress, repo_id=job.repo_id)
     source.device, source.dtype
     return source
 

@@ -106,9 +106,15 @@ def verb_options(p: argparse.ArgumentParser, run: Callable, calib: bool = False,
 
 def main(prog: str, description: str, add_verbs: Callable, argv: list[str] | None) -> int:
     """A command's entry point: parse ``argv`` with the verbs ``add_verbs`` adds, run the verb
-    and return its exit code (:func:`run_command`)."""
+    and return its exit code (:func:`run_command`). Building the verbs loads the plugins'
+    targets (:func:`quantpress.targets.registry.load_plugins`): a bad plugin is one error line
+    and exit 2 like any bad input, not a traceback."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    add_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB"))
+    words = sys.argv[1:] if argv is None else argv
+    code = run_command(lambda: add_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB")) or 0,
+                       debug="--debug" in words)
+    if code:
+        return code
     args = p.parse_args(argv)
     return run_command(lambda: args.run(args), debug=args.debug)
 
@@ -135,14 +141,20 @@ def add_model_source(p: argparse.ArgumentParser, what: str = "MODEL") -> None:
                         f"lacks it (default: offline, the cache only)")
 
 
-def model_path(args: argparse.Namespace, spec: str, revision: bool = True):
-    """The local path of a model argument ``spec``: itself, or the cached snapshot of a repo
-    id (:func:`quantpress.convert.sources.resolve_model`, with ``--allow-download`` and, where
+def model_source(args: argparse.Namespace, spec: str, revision: bool = True):
+    """The :class:`~quantpress.convert.sources.ModelSource` of a model argument ``spec``: its
+    path is ``spec`` itself or the cached snapshot of a repo id
+    (:func:`quantpress.convert.sources.resolve_model`, with ``--allow-download`` and, where
     ``revision``, ``--revision``)."""
     from quantpress.convert.sources import resolve_model
 
     return resolve_model(spec, getattr(args, "revision", None) if revision else None,
-                         allow_download=getattr(args, "allow_download", False)).path
+                         allow_download=getattr(args, "allow_download", False))
+
+
+def model_path(args: argparse.Namespace, spec: str, revision: bool = True):
+    """The local path of a model argument ``spec`` (:func:`model_source`)."""
+    return model_source(args, spec, revision).path
 
 
 def compute_options(args: argparse.Namespace):
@@ -161,12 +173,13 @@ def calib_options(args: argparse.Namespace):
                         seqlen=args.seqlen, seed=args.seed)
 
 
-def source(args: argparse.Namespace, path: str, calibrated: bool = True):
-    """The :class:`~quantpress.targets.Source` of a verb's input model."""
+def source(args: argparse.Namespace, path: str, calibrated: bool = True, repo_id: str | None = None):
+    """The :class:`~quantpress.targets.Source` of a verb's input model (``repo_id``: the repo
+    id ``path`` is the snapshot of)."""
     from quantpress.targets import Source
 
     return Source(path, compute_options(args), calib_options(args) if calibrated else None,
-                  progress=not args.quiet)
+                  progress=not args.quiet, repo_id=repo_id)
 
 
 def add_target_verbs(sub, command: str) -> None:
@@ -205,13 +218,14 @@ def run_target(cls: type, verb, args: argparse.Namespace) -> int:
     steps (:meth:`~quantpress.targets.registry.Verb.plan`) with :func:`produce`. Returns 0."""
     from quantpress.targets.options import from_args
 
-    path = getattr(args, verb.arg)
+    path, repo_id = getattr(args, verb.arg), None
     if verb.input in MODEL_INPUTS:
-        path = str(model_path(args, path))
+        resolved = model_source(args, path)
+        path, repo_id = str(resolved.path), resolved.repo_id
     if verb.check_input is not None:
         verb.check_input(path)
     for step in verb.plan(args, from_args(cls.options_type, args)):
-        produce(args, step.options, source(args, path, step.calibrated), step.out, report=step.report,
+        produce(args, step.options, source(args, path, step.calibrated, repo_id), step.out, report=step.report,
                 aside=step.aside)
     return 0
 

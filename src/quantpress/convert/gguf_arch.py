@@ -474,7 +474,8 @@ def count_parameters(model_dir: Path | str, config: dict, arch: str) -> int:
 # model metadata
 
 
-def _general_metadata(kv: KVList, model_dir: Path, total_params: int, model_name: str | None) -> None:
+def _general_metadata(kv: KVList, model_dir: Path, total_params: int, model_name: str | None,
+                      repo_id: str | None = None) -> None:
     """``Metadata.load(...)`` + ``Metadata.set_gguf_meta_model`` (gguf-py metadata.py)."""
     from gguf.metadata import Metadata
     from gguf.utility import size_label
@@ -485,6 +486,8 @@ def _general_metadata(kv: KVList, model_dir: Path, total_params: int, model_name
     gen = Metadata.load_generation_config(model_dir)
     if gen and "penalty_repeat" not in gen and "repetition_penalty" in gen:
         md.sampling_penalty_repeat = gen["repetition_penalty"]
+    if repo_id:
+        md.name = repo_id
     if md.name is None:
         md.name = model_dir.name
     if md.size_label is None and total_params > 0:
@@ -619,7 +622,8 @@ def _is_qwen3_reranker(config: dict, model_dir: Path) -> bool:
 
 
 def model_metadata(config: dict, model_dir: Path | str, arch: str, file_type: int, *,
-                   model_name: str | None = None, total_params: int | None = None) -> list[KV]:
+                   model_name: str | None = None, total_params: int | None = None,
+                   repo_id: str | None = None) -> list[KV]:
     """The non-tokenizer KVs convert_hf_to_gguf writes, in its order, with its types.
 
     Order (``ModelBase.prepare_metadata``): ``general.type`` ("model"); the authorship and
@@ -639,9 +643,10 @@ def model_metadata(config: dict, model_dir: Path | str, arch: str, file_type: in
     "SmolLM2 135M Instruct", basename "SmolLM2", size_label "135M", finetune "Instruct");
     when no size is found there, from the parameter count ("12M").
 
-    Left out (provenance / command-line only): the ``--metadata`` override file and the
-    ``--remote`` HF repo id (which would replace ``general.name``). ``--model-name`` is the
-    ``model_name`` keyword. Everything read from the directory itself (generation_config.json,
+    Left out (provenance / command-line only): the ``--metadata`` override file.
+    ``--model-name`` is the ``model_name`` keyword; ``--remote``'s HF repo id is ``repo_id``
+    (``ModelBase.prepare_metadata``: it replaces ``general.name`` after the heuristics, the
+    other naming keys still come from the directory). Everything read from the directory itself (generation_config.json,
     README.md model card, config.json) is reproduced.
 
     Args:
@@ -671,7 +676,7 @@ def model_metadata(config: dict, model_dir: Path | str, arch: str, file_type: in
 
     kv = KVList()
     kv.string("general.type", "model")
-    _general_metadata(kv, model_dir, total_params, model_name)
+    _general_metadata(kv, model_dir, total_params, model_name, repo_id)
 
     a = arch
     kv.u32(f"{a}.block_count", _required(config, ["n_layers", "num_hidden_layers", "n_layer", "num_layers"]))

@@ -279,9 +279,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     (:func:`quantpress.convert.gguf_roundtrip.watch_round_trip`: the file is given its final
     size once its header is written, gguf-py's reader parses it in a checker process of its
     own, and each tensor is checked there as soon as it is on disk, against the source tensor
-    just read, while the next is quantized; the sources wait in the checkers' staging areas,
-    ``STAGING_BYTES`` together; off the CPU the writer computes our half of each check on its
-    device from the bytes it wrote, and the checkers compare gguf-py's values of the file
+    just read, while the next is quantized; the sources wait in the checkers' staging areas
+    (``SOLE_STAGING_BYTES``, or ``STAGING_BYTES`` together); off the CPU the writer computes
+    our half of each check on its device from the bytes it wrote, and the checkers compare gguf-py's values of the file
     with checksums of ours, :func:`~quantpress.convert.gguf_roundtrip.writer_figures`;
     with the codecs off the CPU the writer's own torch ops on the
     CPU leave the checker processes their cores, on the CPU the codecs do so when most weights

@@ -641,22 +641,26 @@ def _conclude(rep: RoundTrip, path: Path, size: int, tensors: list[SourceTensor]
 #: most checkers (processes, or threads where no process can be started) of one file's round
 #: trip when quantizing off the CPU
 VERIFY_WORKERS = 8
-#: bytes of the staging areas, split evenly among the checkers started together (each at
-#: least a quarter of it: a GPU box's eight checkers then hold two of a 554M model's float32
-#: feed-forward matrices each). Each checker process has one: shared memory that it and this
+#: bytes of the staging areas of several checkers started together (off the CPU), split evenly
+#: among them (each at least a quarter of it: a GPU box's eight checkers then hold two of a 554M
+#: model's float32 feed-forward matrices each); a checker started alone (the CPU's one) has
+#: :data:`SOLE_STAGING_BYTES`. Each checker process has one: shared memory that it and this
 #: process map (inherited when it is forked), through which the writer hands it its source
 #: tensors: one copy into pages the checker touched at its start, not a new shared-memory
 #: segment per tensor (whose fresh pages each source would fault in). It is also the
 #: backlog: the writer waits while no checker's area can hold the next source. Checks cost
-#: unlike their quantization, and a checker's first check waited for its parse of the file
-#: (SmolLM2's vocabulary, far longer then than since :class:`GGUFTensorsReader`): SmolLM2's
-#: Q4_K_M stage on two cores was fastest with these 256 MiB, against 64 and 128 MiB (its
-#: 28M-element float16 embedding and what is quantized during the parse; figures and the
-#: command in docs/benchmarks.md, "Figures behind the code", ``convert/gguf_roundtrip.py``). A
-#: larger source goes alone, in shared memory of its own, at most one per checker at a time.
-#: (An area shared by several checkers would free its room in order, so a slow check would
-#: hold back the room of the checks after it.)
+#: unlike their quantization. A larger source goes alone, in shared memory of its own, at most
+#: one per checker at a time. (An area shared by several checkers would free its room in
+#: order, so a slow check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
+#: bytes of the staging area of a checker started alone (the CPU's one checker,
+#: :func:`checkers_for`). The checker touches its whole area when it starts, so the area is
+#: memory of the process tree for the whole conversion: 256 MiB made SmolLM2's Q4_K_M peak
+#: 743 MiB, 64 MiB 543 MiB (the 554M random llama's 1,103 against 922), at no measured cost in
+#: time since the checks no longer wait for a slow parse of the file (figures and commands in
+#: docs/benchmarks.md, "Where the peak goes" and "Figures behind the code",
+#: ``convert/gguf_roundtrip.py``).
+SOLE_STAGING_BYTES = 1 << 26
 #: False: round trips beside the writing run in threads (:class:`RoundTripWatch`) even where
 #: processes can be started
 USE_PROCESSES = True
@@ -863,7 +867,8 @@ class CheckerProcesses:
         area). Raises OSError when a process cannot be started."""
         self._checkers = [c for c in self._checkers if c.proc.is_alive() or c.pending]
         while len(self._checkers) < n:
-            staging = _Staging(max(64, STAGING_BYTES // n, STAGING_BYTES // 4))
+            size = SOLE_STAGING_BYTES if n == 1 else max(64, STAGING_BYTES // n, STAGING_BYTES // 4)
+            staging = _Staging(size)
             w = start_worker(_serve_checks, (staging,), f"quantpress-check-{len(self._checkers)}")
             self._checkers.append(_Checker(w.proc, w.conn, staging, worker=w))
 

@@ -171,8 +171,8 @@ def _in_quantize_order(tensors: list[SourceTensor]) -> list[SourceTensor]:
     return sorted(tensors, key=lambda t: order[t.name])
 
 
-def _metadata_kvs(model_dir: Path, cfg: dict, arch: str, ftype: int) -> list[tuple]:
-    return (gguf_arch.model_metadata(cfg, model_dir, arch, ftype)
+def _metadata_kvs(model_dir: Path, cfg: dict, arch: str, ftype: int, repo_id: str | None) -> list[tuple]:
+    return (gguf_arch.model_metadata(cfg, model_dir, arch, ftype, repo_id=repo_id)
             + gguf_tokenizer.tokenizer_metadata(model_dir, cfg, arch))
 
 
@@ -192,16 +192,16 @@ def _tensor_side(model: HFModel, cfg: dict, arch: str) -> tuple:
     return arch, names, generated, heads, params
 
 
-def _hf_metadata(model: HFModel, ftype: int) -> tuple[tuple, list[tuple]]:
+def _hf_metadata(model: HFModel, ftype: int, repo_id: str | None) -> tuple[tuple, list[tuple]]:
     # in the forked process of plan_from_hf(overlap=True): transformers' config and tokenizer
     torch.set_num_threads(1)
     cfg = gguf_arch.load_hf_config(model.dir)
     arch = gguf_arch.gguf_arch(cfg)
-    return _tensor_side(model, cfg, arch), _metadata_kvs(model.dir, cfg, arch, ftype)
+    return _tensor_side(model, cfg, arch), _metadata_kvs(model.dir, cfg, arch, ftype, repo_id)
 
 
 def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = None, *,
-                 overlap: bool = False) -> GGUFPlan:
+                 overlap: bool = False, repo_id: str | None = None) -> GGUFPlan:
     """The plan of ``convert_hf_to_gguf.py`` + ``llama-quantize`` for an HF llama / qwen2 /
     qwen3 directory: metadata from transformers' parsed config and the tokenizer, tensors
     renamed and transformed as the converter does (Q/K permutation for llama), generated
@@ -215,7 +215,10 @@ def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = Non
     a :class:`quantpress.convert.gguf_file.PendingKVs`, which the writer waits for while it
     quantizes the first tensors, and which raises ``PlanChanged`` if transformers' config
     gives the tensors anything else (the caller plans again without ``overlap``). Errors of
-    the metadata are raised by the writer then, as they would be here."""
+    the metadata are raised by the writer then, as they would be here.
+
+    ``repo_id``: the Hugging Face repo id ``model_dir`` is the cached snapshot of; it becomes
+    ``general.name``, as ``convert_hf_to_gguf.py --remote`` sets it."""
     model = HFModel(model_dir)  # validates config.json and the safetensors files
     ftype = gguf_policy.ftype_id(policy)
     kvs = None
@@ -228,13 +231,14 @@ def plan_from_hf(model_dir: Path, policy: str, options: GGUFOptions | None = Non
             side = None
         if side is not None:
             try:
-                kvs = PendingKVs(fork_call(_hf_metadata, model, ftype, name="quantpress-metadata"), side)
+                call = fork_call(_hf_metadata, model, ftype, repo_id, name="quantpress-metadata")
+                kvs = PendingKVs(call, side)
             except OSError:
                 kvs = None
     if kvs is None:
         cfg = gguf_arch.load_hf_config(model.dir)
         arch = gguf_arch.gguf_arch(cfg)
-        kvs = _metadata_kvs(model.dir, cfg, arch, ftype)
+        kvs = _metadata_kvs(model.dir, cfg, arch, ftype, repo_id)
     try:
         return _hf_plan(model, cfg, arch, kvs, policy, options)
     except BaseException:
@@ -533,7 +537,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
             # from an HF directory transformers' config and tokenizer are read in a forked
             # process while the writer quantizes the first tensors (plan_from_hf's overlap)
             self.plan = plan = (plan_from_gguf(p, o.policy, o) if p.is_file()
-                                else plan_from_hf(p, o.policy, o, overlap=OVERLAP_METADATA))
+                                else plan_from_hf(p, o.policy, o, overlap=OVERLAP_METADATA,
+                                                  repo_id=self.source.repo_id))
             if self.device.type == "cpu" and compiled_searches.worth_it(
                     (plan.types[t.name], t.numel, t.name in plan.imatrix) for t in plan.tensors):
                 # many K-quant weights: the searches' steps as compiled loops, compiled (or
@@ -623,7 +628,8 @@ class GGUFTarget(Target, kind="gguf", options=GGUFOptions):
                         # as it is (plan_from_hf's overlap): nothing was written; plan again
                         for i in idx:
                             t = targets[i]
-                            t.plan = plan_from_hf(t.source.path, t.options.policy, t.options)
+                            t.plan = plan_from_hf(t.source.path, t.options.policy, t.options,
+                                                  repo_id=t.source.repo_id)
                         trips = cls._write_group([targets[i] for i in idx], [tmps[i] for i in idx], progress)
                     for i, trip in zip(idx, trips):
                         targets[i].roundtrip = trip

@@ -77,12 +77,15 @@ class Source:
     ``path``: HF directory or GGUF file. ``compute`` / ``calib``: :class:`ComputeOptions` /
     :class:`CalibOptions` (validated here: InputError naming the option). ``cal_dir``:
     exllamav2's ``standard_cal_data`` directory for the default text (None: fetched into the
-    cache by :func:`quantpress.assets.standard_cal_data` when first needed)."""
+    cache by :func:`quantpress.assets.standard_cal_data` when first needed). ``repo_id``: the
+    Hugging Face repo id ``path`` is the cached snapshot of (None: a plain path), for what
+    names the model (GGUF ``general.name``, as ``convert_hf_to_gguf.py --remote`` sets it)."""
 
     def __init__(self, path: str | Path, compute: ComputeOptions | None = None,
                  calib: CalibOptions | None = None, progress: bool = True,
-                 cal_dir: str | Path | None = None):
+                 cal_dir: str | Path | None = None, repo_id: str | None = None):
         self.path = Path(path)
+        self.repo_id = repo_id
         self.compute = compute or ComputeOptions()
         self.calib = calib or CalibOptions()
         self.compute.validate()

@@ -34,11 +34,11 @@ on the CPU, with the codecs forced to leave the round trip's checker its core or
 core (``gguf_file.codecs_leave_a_core``'s choice), off the CPU with the writer's own CPU ops
 (NaN/Inf checks, copies into the checkers' staging areas) in as many threads as there are
 cores instead of leaving the checker processes theirs, each tensor's check whole in one checker
-(``gguf_roundtrip.CHECK_PART_ELEMENTS`` unbounded), up to as many checkers as idle cores
+(``gguf_checks.CHECK_PART_ELEMENTS`` unbounded), up to as many checkers as idle cores
 (``VERIFY_WORKERS``) and our half of the check (our dequantization, the error against the
 source) in the checkers instead of on the writer's device (``FIGURES_ON_WRITER = False``: the
 sources copied to them), and with the checkers' staging areas (off the CPU
-``gguf_roundtrip.STAGING_BYTES`` together, a quarter and half their size; on the CPU the one
+``gguf_checkers.STAGING_BYTES`` together, a quarter and half their size; on the CPU the one
 checker's ``SOLE_STAGING_BYTES``, twice and four times its size), each twice, alternating,
 after a warm-up run: what each setting is worth on this machine.
 
@@ -290,7 +290,7 @@ for run in range(2):
 WITH_CHECKERS = """
 import collections, sys, time, torch
 from pathlib import Path
-from quantpress.convert import gguf_file, gguf_roundtrip
+from quantpress.convert import gguf_checkers, gguf_checks, gguf_file, gguf_roundtrip
 from quantpress.quantize.ggml.processes import start_codec_processes
 from quantpress.memory import bound_heap
 from quantpress.targets.gguf import GGUFOptions, plan_from_gguf
@@ -307,7 +307,7 @@ lanes = 1 + (start_codec_processes() if dev.type == "cpu" else 0)
 #: settings, with and without the round trip, in one process
 WINDOWS = WITH_CHECKERS + """
 defaults = gguf_file.READ_AHEAD, gguf_file.CPU_WINDOW_ROUNDS
-staging_default = gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES
+staging_default = gguf_checkers.STAGING_BYTES, gguf_checkers.SOLE_STAGING_BYTES
 rule, taken = gguf_file.codecs_leave_a_core, gguf_file.cores_taken
 leaves = rule([(None, plan.kvs, plan.types, plan.imatrix)], plan.tensors)
 
@@ -350,20 +350,20 @@ for verify in (False, True):
             together, sole = staging_default
             for staging in ((together // 4, together // 2) if dev.type != "cpu" else (sole * 2, sole * 4)):
                 gguf_roundtrip.close_checkers()
-                gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES = \
+                gguf_checkers.STAGING_BYTES, gguf_checkers.SOLE_STAGING_BYTES = \
                     (staging, sole) if dev.type != "cpu" else (together, staging)
                 gguf_roundtrip.start_checkers(dev)
                 once(f"round trip, staging areas of {staging >> 20} MiB together", True, *defaults)
             gguf_roundtrip.close_checkers()
-            gguf_roundtrip.STAGING_BYTES, gguf_roundtrip.SOLE_STAGING_BYTES = staging_default
+            gguf_checkers.STAGING_BYTES, gguf_checkers.SOLE_STAGING_BYTES = staging_default
             gguf_roundtrip.start_checkers(dev)
         if verify and dev.type != "cpu":
             # each tensor's check whole in one checker, then as many checkers as idle cores
-            part_default, workers_default = gguf_roundtrip.CHECK_PART_ELEMENTS, gguf_roundtrip.VERIFY_WORKERS
-            gguf_roundtrip.CHECK_PART_ELEMENTS = 1 << 62
+            part_default, workers_default = gguf_checks.CHECK_PART_ELEMENTS, gguf_roundtrip.VERIFY_WORKERS
+            gguf_checks.CHECK_PART_ELEMENTS = 1 << 62
             once("round trip, each tensor whole to one checker", True, *defaults)
-            gguf_roundtrip.CHECK_PART_ELEMENTS = part_default
-            gguf_roundtrip.VERIFY_WORKERS = gguf_roundtrip.checker_limit()
+            gguf_checks.CHECK_PART_ELEMENTS = part_default
+            gguf_roundtrip.VERIFY_WORKERS = gguf_checkers.checker_limit()
             once(f"round trip, up to {gguf_roundtrip.VERIFY_WORKERS} checkers", True, *defaults)
             gguf_roundtrip.VERIFY_WORKERS = workers_default
             # our dequantization and the error sums in the checkers, the sources copied to them

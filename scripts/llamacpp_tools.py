@@ -7,7 +7,7 @@ once and cached under quantpress's cache root.
 - ``tools()``: ``llama-quantize``, ``llama-perplexity`` and ``llama-imatrix`` compiled from the
   pinned source (``llamacpp_src()``, llama.cpp 0c1e57098 as vendored in llama-cpp-python
   0.3.36), Release, without CURL, tests, examples or the server, with llama.cpp's shared
-  libraries (``libllama``, ``libggml*``) beside them in ``<cache>/ref/llama_cpp-0.3.36/bin``.
+  libraries (``libllama``, ``libggml*``) beside them in ``<cache>/ref/llama_cpp-0.3.36-<flags>/bin``.
   Built the first time (``scripts/setup.sh --test`` builds it; its time in docs/benchmarks.md,
   "Figures behind the code", scripts/setup.sh), then cached. The imatrix *file* is read by ``llama-quantize`` (``common_imatrix_load``) and
   written by ``llama-imatrix``, which the Python bindings do not expose.
@@ -35,6 +35,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,18 @@ CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", 
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
                "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
+#: on x86, llama.cpp's GGML_NATIVE build (-march=native) compiles ggml-cpu's AMX kernels
+#: (ggml/src/ggml-cpu/amx/mmq.cpp, under ``__AMX_INT8__``) wherever the CPU reports AMX, and
+#: ggml then takes them for quantized matrices (its AMX extra buffer type). A virtual machine
+#: may report AMX without enabling its tile state: the first ``tilezero`` / ``ldtilecfg`` then
+#: traps (SIGILL in llama-perplexity, SIGSEGV in a process that loaded the bindings' libggml-cpu,
+#: which killed a test worker). The ISA flags given before -march=native keep AMX out of the
+#: build, every other instruction set of the CPU in (GCC and Clang let an explicit -mno-* win
+#: over what -march implies). None of the reference bytes depends on it: llama-quantize's
+#: quantization is ggml-base's (ggml/src/ggml-quants.c), built without ISA flags.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if platform.machine().lower() in ("x86_64", "amd64"):
+    CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def llamacpp_src() -> Path:
@@ -74,8 +87,10 @@ def llamacpp_src() -> Path:
 
 
 def build_dir() -> Path:
-    """Where the tools are built (in the cache)."""
-    return assets.cache_root() / "ref" / f"llama_cpp-{LLAMA_CPP_PYTHON}"
+    """Where the tools are built (in the cache), one directory per :data:`CMAKE_FLAGS` (a
+    change of flags builds anew)."""
+    flags = hashlib.sha256(json.dumps(CMAKE_FLAGS).encode()).hexdigest()[:8]
+    return assets.cache_root() / "ref" / f"llama_cpp-{LLAMA_CPP_PYTHON}-{flags}"
 
 
 def tools() -> Path:

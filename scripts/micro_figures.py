@@ -1,7 +1,7 @@
 """The small measurements that code comments and the README cite, each printed beside the
 constant or choice it supports (CPU, this machine):
 
-- the GGUF round trip's SNR floor (``convert.gguf_roundtrip.MIN_SNR_DB``): SNR of every ggml type on
+- the GGUF round trip's SNR floor (``convert.gguf_checks.MIN_SNR_DB``): SNR of every ggml type on
   Gaussian, Student-t (2 degrees of freedom) and outlier-column tensors, against the SNR of the
   wrong data the floor is there to catch (another tensor's data, zeros);
 - the codecs' CPU slice size (``quantize.ggml.common.CPU_SLICE_ELEMENTS``): Q4_K of 6.3 M
@@ -14,7 +14,7 @@ constant or choice it supports (CPU, this machine):
 - GPTQ's inverse-Hessian factor (``quantize.gptq_linear.hessian_inverse_factor``,
   ``quantize.gptq.hessian_inverse_factor``): ``cholesky_inverse`` against solving against the
   identity, one thread;
-- gguf-py's reader over a plain ndarray view (``convert.gguf_roundtrip.GGUFFileReader``) against
+- gguf-py's reader over a plain ndarray view (``convert.gguf_reading.GGUFFileReader``) against
   gguf-py's own, and the round trip's checkers' reader (``GGUFTensorsReader``, arrays' extents
   only), parsing a SmolLM2 GGUF (its 49,152-token vocabulary; alone with ``--parse``);
 - the AWQ scale search's slices (``calibration.awq.SEARCH_SLICE_TOKENS``): float32 matmul
@@ -42,11 +42,11 @@ With ``--dequantize`` only the dequantizers (``quantize.ggml.dequantize``, which
 checks run): milliseconds for 1,024 x 4,096 values of Q4_K, Q6_K, Q5_0, Q8_0, F16 and F32 on
 one thread, the glibc heap bounded as the targets bound it (best of five); then Q4_K's nibble
 unpacking on uint8 against through int32, the round trip's bit comparison of one piece
-(``convert.gguf_roundtrip.CHECK_PIECE_ELEMENTS`` values) by ``np.array_equal`` and
+(``convert.gguf_checks.CHECK_PIECE_ELEMENTS`` values) by ``np.array_equal`` and
 ``torch.equal`` against counting the differences, and gguf-py's dequantization (the round
 trip's reference) of about 4M values: ``gguf.quants.dequantize`` of the whole chunk (rows
 merged into rows of 16,384 values) against each type's ``dequantize_blocks`` on the check's
-pieces (``convert.gguf_roundtrip.gguf_py_decoder``).
+pieces (``convert.gguf_reading.gguf_py_decoder``).
 
 With ``--weighted`` only the importance-weighted codecs (Q5_0, Q4_K, IQ4_XS with an imatrix:
 nanoseconds per weight, one thread, heap bounded) and ``quantize.ggml.common.sqrtf`` /
@@ -145,7 +145,7 @@ def snr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def snr_floor() -> None:
-    from quantpress.convert.gguf_roundtrip import MIN_SNR_DB
+    from quantpress.convert.gguf_checks import MIN_SNR_DB
     from quantpress.quantize import ggml
 
     g = torch.Generator().manual_seed(0)
@@ -379,7 +379,7 @@ def hessian_factor() -> None:
 def reader_parse(gguf: Path | None) -> None:
     from gguf import GGUFReader
 
-    from quantpress.convert.gguf_roundtrip import GGUFFileReader, GGUFTensorsReader
+    from quantpress.convert.gguf_reading import GGUFFileReader, GGUFTensorsReader
 
     with tempfile.TemporaryDirectory() as d:
         if gguf is None:
@@ -515,7 +515,7 @@ def ggml_cuda_chunks() -> None:
 def dequantizers() -> None:
     """``quantize.ggml.dequantize`` of 1,024 x 4,096 values per type, one thread: best of five;
     then gguf-py's dequantization of about 4M values, over the whole chunk and per piece
-    (``convert.gguf_roundtrip.gguf_py_decoder``)."""
+    (``convert.gguf_reading.gguf_py_decoder``)."""
     from quantpress.quantize import ggml
     from quantpress.memory import bound_heap
 
@@ -539,7 +539,7 @@ def dequantizers() -> None:
     assert torch.equal(on_uint8(), on_int32())
     print(f"Q4_K nibbles of 1024 x 4096: on uint8 {best_ms(on_uint8):6.2f} ms, through int32 {best_ms(on_int32):6.2f} ms")
     # (on one of the check's pieces, which it compares while they are in the cache)
-    from quantpress.convert.gguf_roundtrip import CHECK_PIECE_ELEMENTS
+    from quantpress.convert.gguf_checks import CHECK_PIECE_ELEMENTS
     a = ggml.dequantize(raws["Q4_K"], "Q4_K").reshape(-1)[:CHECK_PIECE_ELEMENTS].view(torch.int32)
     b = a.clone()
     an, bn = a.numpy(), b.numpy()
@@ -548,11 +548,11 @@ def dequantizers() -> None:
           f"(a != b).sum() {best_ms(lambda: int((a != b).sum()), n=50) * 1e3:6.1f} us")
     # gguf-py's dequantization (the round trip's reference) of 4M values: gguf.quants.dequantize
     # of the whole chunk (rows merged to 16,384 values, as the check gave it before), against
-    # the type's dequantize_blocks on each of the check's pieces (gguf_roundtrip.gguf_py_decoder)
+    # the type's dequantize_blocks on each of the check's pieces (gguf_reading.gguf_py_decoder)
     from gguf import GGMLQuantizationType
     from gguf import quants as gguf_quants
 
-    from quantpress.convert.gguf_roundtrip import gguf_py_decoder
+    from quantpress.convert.gguf_reading import gguf_py_decoder
     for name, width in [("Q5_0", 576), ("Q8_0", 576), ("Q4_K", 1536), ("Q6_K", 1536)]:
         n = (1 << 22) // width
         rows = ggml.quantize(x.reshape(-1)[:n * width].reshape(n, width), name).numpy()
@@ -966,15 +966,15 @@ def round_trip(model: Path) -> None:
     as it is (gguf-py's values and ours in pieces of ``CHECK_PIECE_ELEMENTS``) and with
     pieces of whole chunks (``VERIFY_CHUNK_ELEMENTS``); two runs each, alternating (the
     sources read once before, so all find them in the page cache)."""
-    from quantpress.convert import gguf_roundtrip
+    from quantpress.convert import gguf_checks, gguf_roundtrip
     from quantpress.memory import bound_heap
     from quantpress.targets.gguf import plan_from_hf
 
     bound_heap()
     torch.set_num_threads(1)
-    piece = gguf_roundtrip.CHECK_PIECE_ELEMENTS
+    piece = gguf_checks.CHECK_PIECE_ELEMENTS
     ways = {f"as it is (pieces of {piece})": piece,
-            "pieces of whole chunks": gguf_roundtrip.VERIFY_CHUNK_ELEMENTS}
+            "pieces of whole chunks": gguf_checks.VERIFY_CHUNK_ELEMENTS}
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "q4_k_m.gguf"
         subprocess.run([str(Path(sys.executable).parent / "convert"), "hf-to-gguf", str(model),
@@ -1002,10 +1002,11 @@ def check_costs() -> None:
     Gaussian float16 weights; pieces of ``CHECK_PIECE_ELEMENTS``, three passes): gguf-py's
     dequantization, ours, the bit comparison, the source widened to float32, the error, its
     two dot products and its extremes (the checker's work when it computes both halves), and
-    the checksums of each row of gguf-py's values (``gguf_roundtrip.row_checksums_np``: the
+    the checksums of each row of gguf-py's values (``gguf_checks.row_checksums_np``: the
     checker's work besides gguf-py's when the writer computes our half,
-    ``gguf_roundtrip.writer_figures``). Nanoseconds per value, for Q4_K, Q6_K, Q5_0, Q8_0."""
-    from quantpress.convert import gguf_roundtrip as rt
+    ``gguf_checks.writer_figures``). Nanoseconds per value, for Q4_K, Q6_K, Q5_0, Q8_0."""
+    from quantpress.convert import gguf_checks as rt
+    from quantpress.convert import gguf_reading
     from quantpress.quantize import ggml
     from quantpress.memory import bound_heap
 
@@ -1017,7 +1018,7 @@ def check_costs() -> None:
     piece = max(1, rt.CHECK_PIECE_ELEMENTS // cols)
     for tname in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
         raw = ggml.quantize(src.float(), tname).numpy().reshape(rows, -1)
-        theirs = rt.gguf_py_decoder(tname)
+        theirs = gguf_reading.gguf_py_decoder(tname)
         spent = dict.fromkeys(("gguf-py", "ours", "bits", "widen", "error", "dots", "extremes", "checksums"), 0.0)
         for _ in range(3):
             for p0 in range(0, rows, piece):

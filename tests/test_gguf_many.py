@@ -30,8 +30,8 @@ import torch
 
 import make
 import procs
-from quantpress.convert import gguf_file, gguf_roundtrip
-from quantpress.convert.gguf_roundtrip import SourceTensor
+from quantpress.convert import gguf_checkers, gguf_checks, gguf_file, gguf_reading, gguf_roundtrip
+from quantpress.convert.gguf_checks import SourceTensor
 from quantpress.errors import InputError
 from quantpress.quantize.ggml import common
 from quantpress.targets import GGUFOptions, Run, produce
@@ -206,7 +206,7 @@ def test_tensors_reader_finds_what_gguf_py_finds(prepared, tmp_path):
     (t,) = _fresh(prepared, ["Q8_0"])
     f = tmp_path / "q8.gguf"
     GGUFTarget.write_together([t], [f], [Run(progress=False)])
-    full, fast = gguf_roundtrip.GGUFFileReader(str(f)), gguf_roundtrip.GGUFTensorsReader(str(f))
+    full, fast = gguf_reading.GGUFFileReader(str(f)), gguf_reading.GGUFTensorsReader(str(f))
     info = [[(x.name, int(x.tensor_type), x.shape.tolist(), int(x.data_offset), int(x.n_bytes))
              for x in r.tensors] for r in (full, fast)]
     assert info[0] == info[1] and len(info[0]) == len(t.plan.tensors)
@@ -232,7 +232,7 @@ def test_a_string_length_off_by_one_fails_the_round_trip(prepared, tmp_path):
     (t,) = _fresh(prepared, ["Q8_0"])
     f = tmp_path / "q8.gguf"
     GGUFTarget.write_together([t], [f], [Run(progress=False)])
-    field = gguf_roundtrip.GGUFFileReader(str(f)).fields["tokenizer.ggml.tokens"]
+    field = gguf_reading.GGUFFileReader(str(f)).fields["tokenizer.ggml.tokens"]
     at = field.offset + sum(int(p.nbytes) for p in field.parts[:5])   # the first string's length
     raw = bytearray(f.read_bytes())
     n = int.from_bytes(raw[at:at + 8], "little")
@@ -300,8 +300,8 @@ def test_another_tensors_data_fails_the_round_trip(tiny_llama_dir, tmp_path, mon
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: workers)
     monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", writer)
     if part:
-        monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-        monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", part)
+        monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+        monkeypatch.setattr(gguf_checks, "CHECK_PART_ELEMENTS", part)
         gguf_roundtrip.close_checkers()     # (new ones fork with these sizes)
         request.addfinalizer(gguf_roundtrip.close_checkers)
     monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
@@ -343,19 +343,19 @@ def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, 
     checkers, and the reports are the check's in threads of the same chunks, value for value
     (the parts' figures summed in row order), the bytes the same. (Checkers forked for the
     test: they keep the chunk size they were forked with.)"""
-    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_checks, "CHECK_PART_ELEMENTS", 1 << 16)
     gguf_roundtrip.close_checkers()
     request.addfinalizer(gguf_roundtrip.close_checkers)
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
     sent: dict = {}
-    real_send = gguf_roundtrip.CheckerProcesses._send
+    real_send = gguf_checkers.CheckerProcesses._send
 
     def spy(self, c, request):
         if request[0] == "check":
             sent.setdefault(request[2], []).append((id(c), request[3]))
         return real_send(self, c, request)
-    monkeypatch.setattr(gguf_roundtrip.CheckerProcesses, "_send", spy)
+    monkeypatch.setattr(gguf_checkers.CheckerProcesses, "_send", spy)
     reports = {}
     for processes in (True, False):
         monkeypatch.setattr(gguf_roundtrip, "USE_PROCESSES", processes)
@@ -368,7 +368,7 @@ def test_large_tensors_checked_in_parts_by_several_checkers(prepared, tmp_path, 
     for index, st in enumerate(t.plan.tensors):
         rows, cols = math.prod(st.shape[:-1]), st.shape[-1]
         parts = [r for _, r in sent[index]]
-        assert sorted(parts) == list(gguf_roundtrip.check_parts(rows, cols)), st.name
+        assert sorted(parts) == list(gguf_checks.check_parts(rows, cols)), st.name
         assert (len(parts) > 1) == (st.numel > 1 << 16), (st.name, len(parts))
     # the embedding and the output head (49,152 x 256: 192 parts of 256 rows) each on all three
     big = [i for i, st in enumerate(t.plan.tensors) if st.numel == 49152 * 256]
@@ -382,8 +382,8 @@ def figures_on_writer(monkeypatch, request):
     forked for the test."""
     monkeypatch.setattr(gguf_roundtrip, "FIGURES_ON_WRITER", True)
     monkeypatch.setattr(gguf_roundtrip, "checkers_for", lambda device: 3)
-    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_checks, "CHECK_PART_ELEMENTS", 1 << 16)
     gguf_roundtrip.close_checkers()
     request.addfinalizer(gguf_roundtrip.close_checkers)
 
@@ -394,8 +394,8 @@ def test_writer_figures_report_what_the_checkers_report(prepared, tmp_path, monk
     float32's rounding of other sums (the writer sums whole chunks, the threads pieces of
     2^18 values); no source copied into a staging area."""
     copies = []
-    real = gguf_roundtrip._Staging.take
-    monkeypatch.setattr(gguf_roundtrip._Staging, "take", lambda self, n: copies.append(n) or real(self, n))
+    real = gguf_checkers.StagingArea.take
+    monkeypatch.setattr(gguf_checkers.StagingArea, "take", lambda self, n: copies.append(n) or real(self, n))
     written = _processes_then_threads(prepared, tmp_path, monkeypatch, ["Q4_K_M", "Q6_K"])
     for processes, (targets, _) in written.items():
         assert [t.roundtrip.checker_processes for t in targets] == ([3, 3] if processes else [0, 0])
@@ -461,13 +461,13 @@ def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
     x = torch.randn(64, 1536, generator=g) * torch.logspace(-40, 38, 64).unsqueeze(1)
     x.view(-1)[:8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3.4e38, 3.4e38])
     x[5] = -0.0
-    ours = gguf_roundtrip.row_checksums(x)
+    ours = gguf_checks.row_checksums(x)
     assert ours.dtype == torch.int64 and ours.shape == (64, 2)
-    assert np.array_equal(ours.numpy(), gguf_roundtrip.row_checksums_np(x.numpy()))
+    assert np.array_equal(ours.numpy(), gguf_checks.row_checksums_np(x.numpy()))
     y = x.clone()
     y[7, 100] = torch.nextafter(y[7, 100], torch.tensor(math.inf))
     y[9, [3, 1000]] = y[9, [1000, 3]]
-    differ = (gguf_roundtrip.row_checksums(y) != ours).numpy()
+    differ = (gguf_checks.row_checksums(y) != ours).numpy()
     assert differ[7].tolist() == [True, True] and differ[9].tolist() == [False, True]
     assert not np.delete(differ, [7, 9], axis=0).any()
     # rows of 300,000 values (a weight period of 13), every bit pattern near ±2^31:
@@ -475,25 +475,25 @@ def test_row_checksums_in_torch_and_numpy_agree_and_tell_rows_apart():
     u = torch.rand(3, 300_000, generator=g) * 0.5 + 0.5
     wide = torch.stack([u[0] * 3.4e38, -u[1] * 1e-38, u[2] * 3e38])    # bits near 2^31, and near -2^31
     wide[2, ::3] = -0.0
-    assert np.array_equal(gguf_roundtrip.row_checksums(wide).numpy(),
-                          gguf_roundtrip.row_checksums_np(wide.numpy()))
+    assert np.array_equal(gguf_checks.row_checksums(wide).numpy(),
+                          gguf_checks.row_checksums_np(wide.numpy()))
 
 
 def test_check_parts_cover_every_row_once_on_chunk_boundaries(monkeypatch):
     """check_parts: consecutive ranges of whole rows from 0 to the last row, each starting on a
     chunk boundary of chunk_rows, none above the part size unless it is one chunk."""
-    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(gguf_roundtrip, "CHECK_PART_ELEMENTS", 3 << 12)
+    monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_checks, "CHECK_PART_ELEMENTS", 3 << 12)
     for rows, cols in [(1, 64), (7, 64), (1000, 64), (192, 64), (193, 64), (3, 1 << 15), (1000, 576), (9, 1)]:
-        parts = list(gguf_roundtrip.check_parts(rows, cols))
-        starts = {r0 for r0, _ in gguf_roundtrip.chunk_rows(rows, cols)}
+        parts = list(gguf_checks.check_parts(rows, cols))
+        starts = {r0 for r0, _ in gguf_checks.chunk_rows(rows, cols)}
         assert parts[0][0] == 0 and parts[-1][1] == rows
         assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         for r0, r1 in parts:
             assert r0 in starts and (r1 in starts or r1 == rows), (rows, cols, r0, r1)
-            one_chunk = [(r0, r1)] == [c for c in gguf_roundtrip.chunk_rows(rows, cols) if c[0] == r0]
-            assert (r1 - r0) * cols <= gguf_roundtrip.CHECK_PART_ELEMENTS or one_chunk, (rows, cols, r0, r1)
-            assert (r1 - r0) * cols > gguf_roundtrip.CHECK_PART_ELEMENTS - gguf_roundtrip.VERIFY_CHUNK_ELEMENTS \
+            one_chunk = [(r0, r1)] == [c for c in gguf_checks.chunk_rows(rows, cols) if c[0] == r0]
+            assert (r1 - r0) * cols <= gguf_checks.CHECK_PART_ELEMENTS or one_chunk, (rows, cols, r0, r1)
+            assert (r1 - r0) * cols > gguf_checks.CHECK_PART_ELEMENTS - gguf_checks.VERIFY_CHUNK_ELEMENTS \
                 or r1 == rows or one_chunk
 
 
@@ -516,7 +516,7 @@ def _processes_then_threads(prepared, tmp_path, monkeypatch, policies) -> dict:
 def small_staging(monkeypatch):
     """Checker processes whose staging areas are 420,000 bytes together (140,000 each when
     three start together; the checkers of the test are ended before and after it)."""
-    monkeypatch.setattr(gguf_roundtrip, "STAGING_BYTES", 420_000)
+    monkeypatch.setattr(gguf_checkers, "STAGING_BYTES", 420_000)
     gguf_roundtrip.close_checkers()
     yield
     gguf_roundtrip.close_checkers()
@@ -544,12 +544,12 @@ def test_checkers_slow_to_start(prepared, tmp_path, monkeypatch):
     would zero them, and the checks would fail on zeros)."""
     import time
 
-    real = gguf_roundtrip._serve_checks
+    real = gguf_checkers.serve_checks
 
     def slow(*args):
         time.sleep(1.0)
         real(*args)
-    monkeypatch.setattr(gguf_roundtrip, "_serve_checks", slow)
+    monkeypatch.setattr(gguf_checkers, "serve_checks", slow)
     gguf_roundtrip.close_checkers()
     try:
         targets = _fresh(prepared, ["Q8_0"])
@@ -640,9 +640,9 @@ def test_every_ggml_type_clears_the_snr_floor_with_margin():
                  "Q6_K", "Q8_0"):
         for x in tensors:
             got = snr(x, ggml.dequantize(ggml.quantize(x, name), name).reshape(x.shape))
-            assert got >= gguf_roundtrip.MIN_SNR_DB + 4, f"{name}: {got:.1f} dB"
+            assert got >= gguf_checks.MIN_SNR_DB + 4, f"{name}: {got:.1f} dB"
     x = tensors[0]
-    assert snr(x, torch.randn(x.shape, generator=g)) < gguf_roundtrip.MIN_SNR_DB
+    assert snr(x, torch.randn(x.shape, generator=g)) < gguf_checks.MIN_SNR_DB
 
 
 def test_encode_many_per_expert_importance_weights_equal_llamacpp():
@@ -783,14 +783,14 @@ def test_which_plans_leave_the_checker_a_core():
 def test_round_trip_chunks_cover_every_row_once(monkeypatch):
     """chunk_rows: consecutive ranges of whole rows from 0 to the last row, none above the
     chunk size (or one row wider than it)."""
-    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
     for rows, cols in [(1, 64), (7, 64), (100, 64), (64, 64), (65, 64), (3, 1 << 15), (1000, 576), (9, 1)]:
-        ranges = list(gguf_roundtrip.chunk_rows(rows, cols))
+        ranges = list(gguf_checks.chunk_rows(rows, cols))
         assert ranges[0][0] == 0 and ranges[-1][1] == rows
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         for r0, r1 in ranges:
-            assert r1 > r0 and (r1 - r0) * cols <= max(gguf_roundtrip.VERIFY_CHUNK_ELEMENTS, cols)
-            assert (r1 - r0) * cols > gguf_roundtrip.VERIFY_CHUNK_ELEMENTS - cols or r1 == rows
+            assert r1 > r0 and (r1 - r0) * cols <= max(gguf_checks.VERIFY_CHUNK_ELEMENTS, cols)
+            assert (r1 - r0) * cols > gguf_checks.VERIFY_CHUNK_ELEMENTS - cols or r1 == rows
 
 
 def test_gguf_py_decoder_is_gguf_py_dequantize():
@@ -807,7 +807,7 @@ def test_gguf_py_decoder_is_gguf_py_dequantize():
     for name in ggml_codecs.names():
         raw = ggml_codecs.quantize(x, name).numpy()
         expected = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[name]), dtype=np.float32).reshape(-1)
-        got = gguf_roundtrip.gguf_py_decoder(name)(raw)
+        got = gguf_reading.gguf_py_decoder(name)(raw)
         assert got.dtype == np.float32 and got.shape == expected.shape, name
         assert np.array_equal(got.view(np.int32), expected.view(np.int32)), name
 
@@ -823,8 +823,8 @@ def test_round_trip_reports_the_same_in_any_chunking(prepared, tmp_path, monkeyp
     GGUFTarget.write_together([t], [out], [Run(progress=False)])
     with single_threaded_ops():
         base = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
-        monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
-        monkeypatch.setattr(gguf_roundtrip, "CHECK_PIECE_ELEMENTS", 5 * 256)
+        monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 12)
+        monkeypatch.setattr(gguf_checks, "CHECK_PIECE_ELEMENTS", 5 * 256)
         small = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
     assert base.ok and small.ok and not small.mismatches
     assert [(r.name, r.type) for r in small.tensors] == [(r.name, r.type) for r in base.tensors]
@@ -858,9 +858,9 @@ def test_round_trip_counts_values_the_dequantizers_disagree_on(prepared, tmp_pat
             v.view(-1)[-1] += 1.0
             return v
 
-    monkeypatch.setattr(gguf_roundtrip, "CHECK_PIECE_ELEMENTS", 4 * 256)
-    monkeypatch.setattr(gguf_roundtrip, "VERIFY_CHUNK_ELEMENTS", 1 << 14)
-    monkeypatch.setattr(gguf_roundtrip, "ggml", OffByOne())
+    monkeypatch.setattr(gguf_checks, "CHECK_PIECE_ELEMENTS", 4 * 256)
+    monkeypatch.setattr(gguf_checks, "VERIFY_CHUNK_ELEMENTS", 1 << 14)
+    monkeypatch.setattr(gguf_checks, "ggml", OffByOne())
     with single_threaded_ops():
         rep = gguf_roundtrip.verify_gguf(out, t.plan.tensors, t.plan.types, torch.device("cpu"))
     differ = {m.split(":")[0]: m for m in rep.mismatches if "dequantize differ" in m}
@@ -869,7 +869,7 @@ def test_round_trip_counts_values_the_dequantizers_disagree_on(prepared, tmp_pat
     for st in t.plan.tensors:
         rows, cols = math.prod(st.shape[:-1]), st.shape[-1]
         piece = max(1, 4 * 256 // cols)
-        n = sum(-(-(r1 - r0) // piece) for r0, r1 in gguf_roundtrip.chunk_rows(rows, cols))
+        n = sum(-(-(r1 - r0) // piece) for r0, r1 in gguf_checks.chunk_rows(rows, cols))
         many += n > 2
         assert differ[st.name] == (f"{st.name}: gguf-py and quantpress dequantize differ in {n} values "
                                    f"({t.plan.types[st.name]})"), differ[st.name]

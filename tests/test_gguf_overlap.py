@@ -13,15 +13,18 @@ import threading
 import time
 
 import pytest
+import torch
 
 import synth
 from quantpress.cli.convert_main import main as convert_main
-from quantpress.convert import gguf_arch, gguf_file
-from quantpress.convert.gguf_file import PendingKVs, write_gguf_many
+from quantpress.convert import gguf_ahead, gguf_arch, gguf_file
+from quantpress.convert.gguf_ahead import PendingKVs
+from quantpress.convert.gguf_file import write_gguf_many
 from quantpress.convert.gguf_tokenizer import UnknownPreTokenizer
 from quantpress.errors import EXIT_BAD_INPUT, InputError
 from quantpress.workers import fork_call
 from quantpress.targets import gguf as gguf_target
+from quantpress.targets import gguf_plan
 
 
 @pytest.fixture
@@ -33,7 +36,7 @@ def single_thread(monkeypatch):
 
 def _write(plan, path):
     write_gguf_many([(path, plan.kvs, plan.types, plan.imatrix)], plan.arch, plan.tensors,
-                    gguf_target.torch.device("cpu"), verify=False)
+                    torch.device("cpu"), verify=False)
     return path.read_bytes()
 
 
@@ -43,7 +46,7 @@ def test_overlapped_plan_writes_the_same_bytes(tiny_llama_dir, tmp_path, single_
     # the writer quantizes ahead until the KVs are there or its budget is held: keep them
     # "not ready" and the budget at a few tensors so that both ends are exercised
     monkeypatch.setattr(PendingKVs, "ready", lambda self: False)
-    monkeypatch.setattr(gguf_file, "AHEAD_OF_HEADER_BYTES", 300_000)
+    monkeypatch.setattr(gguf_ahead, "AHEAD_OF_HEADER_BYTES", 300_000)
     encoded, at_header = [], []
     real_encode, real_get = gguf_file.encode_many, PendingKVs.get
     monkeypatch.setattr(gguf_file, "encode_many", lambda items, device: encoded.extend(items) or real_encode(items, device))
@@ -65,18 +68,18 @@ def test_kvs_arriving_within_a_tensor_end_its_pieces(tiny_llama_dir, tmp_path, s
     serial = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M")
     first = serial.tensors[0]
     rows, width = first.shape
-    monkeypatch.setattr(gguf_file, "AHEAD_PIECE_ELEMENTS", 2 * width)
+    monkeypatch.setattr(gguf_ahead, "AHEAD_PIECE_ELEMENTS", 2 * width)
     calls = []
     real_encode = gguf_file.encode_many
 
     def encode(items, device):
-        calls.append(([tuple(x.shape) for x, _, _ in items], gguf_target.torch.get_num_threads()))
+        calls.append(([tuple(x.shape) for x, _, _ in items], torch.get_num_threads()))
         return real_encode(items, device)
     monkeypatch.setattr(gguf_file, "encode_many", encode)
     monkeypatch.setattr(PendingKVs, "ready", lambda self: len(calls) >= 3)
     plan = gguf_target.plan_from_hf(tiny_llama_dir, "Q4_K_M", overlap=True)
     assert isinstance(plan.kvs, PendingKVs) and plan.tensors[0].name == first.name
-    lanes = gguf_target.torch.get_num_threads()
+    lanes = torch.get_num_threads()
     ours = _write(plan, tmp_path / "overlap.gguf")
     assert rows > 6 and calls[:4] == [([(2, width)], max(1, lanes - 1))] * 3 + [([(rows - 6, width)], lanes)]
     # the rest of the file is written as usual: no row is quantized twice
@@ -93,7 +96,7 @@ def test_tensors_before_the_kvs_are_written_before_the_rest(tiny_llama_dir, tmp_
     assert names[:3] == ["output.weight", "output_norm.weight", "token_embd.weight"]
     rows, width = serial.tensors[2].shape
     step = 4
-    monkeypatch.setattr(gguf_file, "AHEAD_PIECE_ELEMENTS", step * width)
+    monkeypatch.setattr(gguf_ahead, "AHEAD_PIECE_ELEMENTS", step * width)
     out_pieces = math.ceil(serial.tensors[0].shape[0] / step)
     events = []
     real_encode, real_write = gguf_file.encode_many, gguf_file.GGUFWriter.write_tensor_data
@@ -150,11 +153,11 @@ def test_metadata_errors_are_bad_input_and_leave_nothing(tiny_llama_dir, tmp_pat
 
 def test_plan_error_ends_the_metadata_process(tiny_llama_dir, single_thread, monkeypatch):
     calls = []
-    monkeypatch.setattr(gguf_target, "fork_call", lambda *a, **k: calls.append(fork_call(*a, **k)) or calls[-1])
+    monkeypatch.setattr(gguf_plan, "fork_call", lambda *a, **k: calls.append(fork_call(*a, **k)) or calls[-1])
 
     def refuse(plan, params, options):
         raise InputError("an imatrix of another model")
-    monkeypatch.setattr(gguf_target, "finish_plan", refuse)
+    monkeypatch.setattr(gguf_plan, "finish_plan", refuse)
     # (the forked copy sleeps before it computes anything: only ending it answers now)
     slow = gguf_arch.load_hf_config
     monkeypatch.setattr(gguf_arch, "load_hf_config", lambda *a: time.sleep(60) or slow(*a))

@@ -26,3 +26,26 @@ def test_bindings_load_the_tools_build():
     maps = Path("/proc/self/maps").read_text().split()
     loaded = {Path(f).resolve() for f in maps if "/libllama.so" in f}
     assert loaded == {(lib / "libllama.so").resolve()}, loaded
+
+
+def test_the_cpu_backend_has_no_amx_code():
+    """On x86 the build keeps AMX out (scripts/llamacpp_tools.py, ``NO_AMX``): a virtual machine
+    that reports AMX without enabling its tile state traps at the first tile instruction, which
+    killed llama-perplexity and the test worker that had loaded the bindings. No tile
+    instruction is in the CPU backend's library."""
+    import platform
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AMX is x86's")
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils, beside the compiler that built llama.cpp) is needed"
+    lib = (llamacpp_tools.tools() / "libggml-cpu.so").resolve()
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(lib)], check=True, capture_output=True,
+                          text=True).stdout
+    assert "vfmadd" in text or "vaddps" in text, "no vector code at all: not the native build"
+    tiles = [line for line in text.splitlines() if any(op in line for op in ("tilezero", "ldtilecfg", "tdpb"))]
+    assert not tiles, tiles[:3]

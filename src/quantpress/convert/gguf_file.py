@@ -29,7 +29,9 @@ from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
 from quantpress.memory import trim_heap
 
-from .gguf_roundtrip import RoundTrip, SourceTensor, cores_taken, watch_round_trip
+from .gguf_ahead import AheadOfHeader, PendingKVs
+from .gguf_checks import RoundTrip, SourceTensor
+from .gguf_roundtrip import cores_taken, watch_round_trip
 from .hf import check_finite
 
 
@@ -81,54 +83,6 @@ def encode_many(items: list[tuple[torch.Tensor, str, torch.Tensor | None]],
 #: tensor for the tensors quantized with an imatrix])
 GGUFFile = tuple  # (Path, Iterable[KV], dict[str, str][, dict[str, torch.Tensor]])
 
-
-class PlanChanged(Exception):
-    """The metadata computed beside the writing (:class:`PendingKVs`) came with a tensor side
-    other than the one the writer was given: nothing was written; the caller plans again."""
-
-
-class PendingKVs:
-    """A file's KVs still being computed elsewhere (a forked process,
-    :func:`quantpress.workers.fork_call`), for :func:`write_gguf_many`, which quantizes the
-    first tensors while it waits.
-
-    ``call``: a :class:`quantpress.workers.ForkedCall` whose value is ``(key, kvs)``;
-    ``key``: what the writer's tensors (names, shapes, transforms) were derived from, as the
-    caller computed it without the metadata: :meth:`get` raises :class:`PlanChanged` when the
-    call's key differs. ``pending + more`` appends KVs to the ones computed."""
-
-    def __init__(self, call, key, extra: tuple = ()):
-        self.call, self.key, self.extra = call, key, tuple(extra)
-
-    def __add__(self, more) -> "PendingKVs":
-        return PendingKVs(self.call, self.key, self.extra + tuple(more))
-
-    def ready(self) -> bool:
-        """Whether :meth:`get` would return at once."""
-        return self.call.ready()
-
-    def close(self) -> None:
-        """Stop the computation if it is still running (its KVs are not wanted)."""
-        self.call.close()
-
-    def get(self) -> list[KV]:
-        """The KVs, in order (waits for them). Raises what the computation raised
-        (InputError for bad input), or :class:`PlanChanged`."""
-        key, kvs = self.call.result()
-        if key != self.key:
-            raise PlanChanged("the metadata's tensor side differs from the writer's")
-        return list(kvs) + list(self.extra)
-
-
-#: output bytes :func:`write_gguf_many` may quantize ahead of its header while a file's KVs
-#: are pending (:class:`PendingKVs`): held in memory until the header is written
-AHEAD_OF_HEADER_BYTES = 256 << 20
-
-#: elements of a matrix quantized ahead of the header at a time (whole rows): the writer
-#: looks for the pending KVs between pieces, and once they are there quantizes the rest of the
-#: tensor on every lane (looking only between tensors, a large tensor begun just before the
-#: KVs came went on one lane to its end while the other core idled)
-AHEAD_PIECE_ELEMENTS = 1 << 22
 
 #: tensors read ahead and quantized together off the CPU (:func:`write_gguf_many`), in
 #: elements: a window is written once it holds this many (or the end is reached), so host
@@ -248,9 +202,9 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
 
     ``files``: ``(path, kvs, types)`` or ``(path, kvs, types, imatrix)`` per output file;
     ``kvs`` its metadata after ``general.architecture`` (written by GGUFWriter), in order, or
-    a :class:`PendingKVs` still being computed: then the first tensors are read and quantized
-    on one lane less (in memory, up to :data:`AHEAD_OF_HEADER_BYTES` of output; a matrix in
-    pieces of :data:`AHEAD_PIECE_ELEMENTS`) until it is there; then the header is written, the
+    a :class:`~quantpress.convert.gguf_ahead.PendingKVs` still being computed: then the first tensors are read and quantized
+    on one lane less (in memory, up to :data:`~quantpress.convert.gguf_ahead.AHEAD_OF_HEADER_BYTES` of output; a matrix in
+    pieces of :data:`~quantpress.convert.gguf_ahead.AHEAD_PIECE_ELEMENTS`) until it is there; then the header is written, the
     tensors quantized whole are written (and handed to the round trip), and the rest of a
     matrix begun then is quantized on every lane (where the budget ended it, before the
     header, while the header waits for the KVs);
@@ -282,138 +236,29 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
     just read, while the next is quantized; the sources wait in the checkers' staging areas
     (``SOLE_STAGING_BYTES``, or ``STAGING_BYTES`` together); off the CPU the writer computes
     our half of each check on its device from the bytes it wrote, and the checkers compare gguf-py's values of the file
-    with checksums of ours, :func:`~quantpress.convert.gguf_roundtrip.writer_figures`;
+    with checksums of ours, :func:`~quantpress.convert.gguf_checks.writer_figures`;
     with the codecs off the CPU the writer's own torch ops on the
     CPU leave the checker processes their cores, on the CPU the codecs do so when most weights
     go to :data:`LIGHT_TYPES`) and return the :class:`RoundTrip` of each file, in the order of
     ``files``; else None. RuntimeError when a checker process dies.
 
-    Raises ValueError for no files; :class:`PlanChanged` (nothing written) or what its
-    computation raised from a :class:`PendingKVs`; InputError naming the tensor when a loaded tensor's
+    Raises ValueError for no files; :class:`~quantpress.convert.gguf_ahead.PlanChanged` (nothing written) or what its
+    computation raised from a :class:`~quantpress.convert.gguf_ahead.PendingKVs`; InputError naming the tensor when a loaded tensor's
     shape is not ``shape`` or it holds NaN/Inf (the source weights are corrupt); KeyError
     when a ``types`` lacks a tensor. Every file opened is closed, on error too (the partial
     files are left for the caller to remove).
     """
     if not files:
         raise ValueError("write_gguf_many: no files to write")
-    watches: list = []      # round-trip watches (threads or checker processes)
     with contextlib.ExitStack() as closing:
-        writers = []
-        for path, kvs, types, *rest in files:
-            imatrix = rest[0] if rest else None
-            w = GGUFWriter(str(path), arch)
-            closing.callback(w.close)  # opens its file in write_header_to_file
-            data_bytes = 0
-            for st in tensors:
-                gt = ggml.get(types[st.name])
-                rb = gt.row_bytes(st.shape[-1])
-                # a uint8 byte shape: gguf-py turns it back into elements (ne) for the tensor info
-                w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
-                                  math.prod(st.shape[:-1]) * rb,
-                                  raw_dtype=GGMLQuantizationType[gt.name])
-                data_bytes += GGUFWriter.ggml_pad(math.prod(st.shape[:-1]) * rb, w.data_alignment)
-            writers.append((w, types, imatrix or {}, data_bytes))
-
-        def encodings(entries) -> dict[tuple[int, int], np.ndarray]:
-            # each (index, source) of a window encoded once per distinct type and imatrix:
-            # {(index, file): its uint8 [rows, row_bytes]}
-            items, slots, slot_of = [], {}, {}
-            for index, x in entries:
-                name = tensors[index].name
-                for f, (_, types, imatrix, _) in enumerate(writers):
-                    qw = imatrix.get(name)
-                    key = (index, types[name], None if qw is None else id(qw))
-                    if key not in slots:
-                        slots[key] = len(items)
-                        items.append((x, types[name], qw))
-                    slot_of[index, f] = slots[key]
-            raws = encode_many(items, device)
-            return {k: raws[slot] for k, slot in slot_of.items()}
-
-        # encodings made before the header, while a file's KVs are computed elsewhere: the
-        # first tensors, in order, until the KVs are there or AHEAD_OF_HEADER_BYTES are held;
-        # a matrix in pieces of rows (AHEAD_PIECE_ELEMENTS), so that the KVs' arrival is seen
-        # within a piece: the rest of that tensor is then quantized on every lane at once
-        ahead_of_header: dict[tuple[int, int], np.ndarray] = {}
+        writers = _open_writers(files, arch, tensors, closing)
+        encode = _Encodings(writers, tensors, device)
         pending = [kvs for _, kvs, *_ in files if isinstance(kvs, PendingKVs)]
         for p in pending:
             closing.callback(p.close)       # (on an error before its KVs were taken)
-        held = 0
-        rest = None                         # (index, first row not yet quantized) of a matrix begun
-        pieces: dict[tuple[int, int], list[np.ndarray]] = {}
-
-        def enough() -> bool:
-            return held >= AHEAD_OF_HEADER_BYTES or all(p.ready() for p in pending)
-
-        def ahead(index: int, x: torch.Tensor, whole: bool = False) -> int | None:
-            # quantize x (a tensor's source, or its rows from some row on) into ``pieces``: a
-            # matrix in pieces of rows until enough() says stop (``whole``: in one piece); the
-            # first row not quantized (x.shape[0]: all), or None (that tensor's pieces
-            # dropped) where it raised: the writing below meets the error again and reports it
-            nonlocal held
-            in_pieces = x.dim() == 2 and not whole
-            step = max(1, AHEAD_PIECE_ELEMENTS // x.shape[-1]) if in_pieces else x.shape[0]
-            for r0 in range(0, x.shape[0], step):
-                if r0 and enough():
-                    return r0
-                try:
-                    done = encodings([(index, x[r0:r0 + step])])
-                except Exception:   # noqa: BLE001
-                    for f in range(len(writers)):
-                        pieces.pop((index, f), None)
-                    return None
-                for k, raw in done.items():
-                    pieces.setdefault(k, []).append(raw)
-                held += sum(r.nbytes for r in {id(r): r for r in done.values()}.values())
-            return x.shape[0]
-
-        with intra_op_threads(max(1, torch.get_num_threads() - 1) if pending else None):
-            # (the computation of the KVs keeps a core)
-            for index, st in enumerate(tensors):
-                if not pending or enough():
-                    break
-                try:
-                    x = _to_encode(st, st.load(), device)
-                except Exception:   # noqa: BLE001 -- the writing below meets it again and reports it
-                    break
-                r0 = ahead(index, x)
-                if r0 is None:
-                    break
-                if r0 < x.shape[0]:
-                    rest = (index, r0)
-                    break
-        if rest is not None and not all(p.ready() for p in pending):
-            # the budget is held and the header waits for the KVs: the rest meanwhile, in one
-            # piece on every lane
-            ahead(rest[0], x[rest[1]:], whole=True)
-            rest = None
-        x = None
-
-        def complete(index: int) -> None:
-            # a tensor's pieces, all quantized, joined into its encodings
-            for f in range(len(writers)):
-                parts = pieces.pop((index, f), None)
-                if parts:
-                    ahead_of_header[index, f] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-        for index in sorted({k[0] for k in pieces} - ({rest[0]} if rest else set())):
-            complete(index)
-        for (w, *_), (_, kvs, *_) in zip(writers, files):
-            for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
-                w.add_key_value(key, value, vtype, sub_type=sub)
-        for (w, types, _, data_bytes), (path, *_) in zip(writers, files):
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            if verify:
-                for f in w.fout:
-                    f.flush()
-                size = GGUFWriter.ggml_pad(w.fout[0].tell(), w.data_alignment) + data_bytes
-                os.truncate(path, size)     # the reader maps the whole file from the start
-                watch = watch_round_trip(Path(path), tensors, types, device, size)
-                closing.callback(watch.stop)
-                watch.start()
-                watches.append(watch)
+        ahead = AheadOfHeader(encode, len(writers), pending)
+        ahead.run(tensors, device, _to_encode)
+        watches = _write_headers(writers, files, tensors, device, verify, closing)
         if watches and (device.type != "cpu" or codecs_leave_a_core(files, tensors)):
             # the writer's torch ops on the CPU leave the checker processes their cores. Off
             # the CPU those ops (the copies into the staging areas, and the NaN/Inf checks
@@ -422,69 +267,142 @@ def write_gguf_many(files: list[GGUFFile], arch: str, tensors: list[SourceTensor
             # their cores neither gains nor loses beyond noise (scripts/bench_gguf.py --model
             # synth4x --quantize-only --device cuda --windows; figures in docs/benchmarks.md)
             closing.enter_context(intra_op_threads(max(1, torch.get_num_threads() - cores_taken(watches))))
-        # tensors read, not yet written: (index, the source for the round trip, what is encoded:
-        # the source itself on the CPU, else its copy on the device; None when it was encoded
-        # ahead of the header)
-        window: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
-
-        def flush() -> None:
-            # quantize the window (one codec pass per type on an accelerator; tensors quantized
-            # ahead of the header are not quantized again), then write its tensors in order to
-            # every file and hand each to the round trip
-            raws = encodings([(index, x) for index, _, x in window if x is not None])
-            for index, t, x in window:
-                written = []
-                for f, (w, *_) in enumerate(writers):
-                    raw = ahead_of_header.pop((index, f), None)
-                    written.append(raws[index, f] if raw is None else raw)
-                    w.write_tensor_data(written[-1].reshape(-1))
-                if watches:
-                    for w, *_ in writers:
-                        for f in w.fout:
-                            f.flush()
-                    for watch, raw in zip(watches, written):
-                        watch.written(index, t, raw, x if device.type != "cpu" else None)
-            raws.clear()
-            window.clear()
-            trim_heap()     # (only past TRIM_KEEP of growth: see memory.bound_heap)
-
-        size, limit = 0, _window_elements(device)
-        reader = None
-        if limit and READ_AHEAD:
-            # (only now: watch_round_trip may fork checker processes, which no thread of this
-            # process should be running beside)
-            reader = _ReadAhead(tensors, limit)
-            closing.callback(reader.close)
-        for index, st in enumerate(progress(tensors)):
-            t = st.load() if reader is None else reader.take()
-            if rest is not None and index == rest[0]:
-                # the KVs came within this matrix: the tensors before it, quantized ahead of
-                # the header, are written and handed to the round trip first (so that their
-                # checks run meanwhile, not all at once after it), then the rest of its rows
-                # is quantized at once on every lane (rows checked for NaN/Inf with the whole
-                # source, before the header)
-                if window:
-                    flush()
-                    size = 0
-                rows = t[rest[1]:]
-                if ahead(index, rows if device.type == "cpu" else rows.to(device), whole=True) is not None:
-                    complete(index)
-                rows = None
-                rest = None
-            # (a tensor quantized ahead of the header was checked then: it is read again only
-            # for the round trip)
-            x = None if (index, 0) in ahead_of_header else _to_encode(st, t, device)
-            window.append((index, t if watches else None, x))
-            size += t.numel()
-            del t, x
-            if size >= limit:
-                flush()
-                size = 0
-        if window:
-            flush()
+        _stream_tensors(writers, tensors, device, encode, ahead, watches, progress, closing)
         for w, *_ in writers:
             w.close()
         return [watch.finish() for watch in watches] if verify else None
+
+
+def _open_writers(files: list[GGUFFile], arch: str, tensors: list[SourceTensor],
+                  closing: contextlib.ExitStack) -> list[tuple]:
+    """Step 1 of :func:`write_gguf_many`: one gguf-py ``GGUFWriter`` per file, its tensor infos
+    added (a uint8 byte shape, which gguf-py turns back into elements for the tensor info),
+    closed by ``closing``: ``(writer, types, imatrix or {}, bytes of the tensor data)`` per file."""
+    writers = []
+    for path, kvs, types, *rest in files:
+        imatrix = rest[0] if rest else None
+        w = GGUFWriter(str(path), arch)
+        closing.callback(w.close)  # opens its file in write_header_to_file
+        data_bytes = 0
+        for st in tensors:
+            gt = ggml.get(types[st.name])
+            rb = gt.row_bytes(st.shape[-1])
+            w.add_tensor_info(st.name, (*st.shape[:-1], rb), np.dtype(np.uint8),
+                              math.prod(st.shape[:-1]) * rb,
+                              raw_dtype=GGMLQuantizationType[gt.name])
+            data_bytes += GGUFWriter.ggml_pad(math.prod(st.shape[:-1]) * rb, w.data_alignment)
+        writers.append((w, types, imatrix or {}, data_bytes))
+    return writers
+
+
+class _Encodings:
+    """The encodings of a window of tensors (:func:`write_gguf_many`): each ``(index, source)``
+    encoded once per distinct ggml type and importance weights among the files, in one
+    :func:`encode_many` call; returns ``{(index, file): uint8 ndarray [rows, row_bytes]}``."""
+
+    def __init__(self, writers: list[tuple], tensors: list[SourceTensor], device: torch.device):
+        self.writers, self.tensors, self.device = writers, tensors, device
+
+    def __call__(self, entries) -> dict[tuple[int, int], np.ndarray]:
+        items, slots, slot_of = [], {}, {}
+        for index, x in entries:
+            name = self.tensors[index].name
+            for f, (_, types, imatrix, _) in enumerate(self.writers):
+                qw = imatrix.get(name)
+                key = (index, types[name], None if qw is None else id(qw))
+                if key not in slots:
+                    slots[key] = len(items)
+                    items.append((x, types[name], qw))
+                slot_of[index, f] = slots[key]
+        raws = encode_many(items, self.device)
+        return {k: raws[slot] for k, slot in slot_of.items()}
+
+
+def _write_headers(writers: list[tuple], files: list[GGUFFile], tensors: list[SourceTensor],
+                   device: torch.device, verify: bool, closing: contextlib.ExitStack) -> list:
+    """Step 3 of :func:`write_gguf_many`: each file's KVs (waiting for pending ones), header,
+    KV data and tensor infos written; with ``verify`` the file given its final size and its
+    round trip started (:func:`watch_round_trip`, stopped by ``closing``). Returns the watches."""
+    watches: list = []
+    for (w, *_), (_, kvs, *_) in zip(writers, files):
+        for key, value, vtype, sub in (kvs.get() if isinstance(kvs, PendingKVs) else kvs):
+            w.add_key_value(key, value, vtype, sub_type=sub)
+    for (w, types, _, data_bytes), (path, *_) in zip(writers, files):
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        if verify:
+            for f in w.fout:
+                f.flush()
+            size = GGUFWriter.ggml_pad(w.fout[0].tell(), w.data_alignment) + data_bytes
+            os.truncate(path, size)     # the reader maps the whole file from the start
+            watch = watch_round_trip(Path(path), tensors, types, device, size)
+            closing.callback(watch.stop)
+            watch.start()
+            watches.append(watch)
+    return watches
+
+
+def _stream_tensors(writers: list[tuple], tensors: list[SourceTensor], device: torch.device,
+                    encode: _Encodings, ahead: AheadOfHeader, watches: list,
+                    progress: Callable[[Iterable], Iterable], closing: contextlib.ExitStack) -> None:
+    """Step 4 of :func:`write_gguf_many`: every tensor read (by a :class:`_ReadAhead` where
+    windows are used), windows of them encoded (:func:`_window_elements`), written in order to
+    every file and handed to the round trips."""
+    # tensors read, not yet written: (index, the source for the round trip, what is encoded:
+    # the source itself on the CPU, else its copy on the device; None when it was encoded
+    # ahead of the header)
+    window: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def flush() -> None:
+        # quantize the window (one codec pass per type on an accelerator; tensors quantized
+        # ahead of the header are not quantized again), then write its tensors in order to
+        # every file and hand each to the round trip
+        raws = encode([(index, x) for index, _, x in window if x is not None])
+        for index, t, x in window:
+            written = []
+            for f, (w, *_) in enumerate(writers):
+                raw = ahead.take(index, f)
+                written.append(raws[index, f] if raw is None else raw)
+                w.write_tensor_data(written[-1].reshape(-1))
+            if watches:
+                for w, *_ in writers:
+                    for f in w.fout:
+                        f.flush()
+                for watch, raw in zip(watches, written):
+                    watch.written(index, t, raw, x if device.type != "cpu" else None)
+        raws.clear()
+        window.clear()
+        trim_heap()     # (only past TRIM_KEEP of growth: see memory.bound_heap)
+
+    size, limit = 0, _window_elements(device)
+    reader = None
+    if limit and READ_AHEAD:
+        # (only now: watch_round_trip may fork checker processes, which no thread of this
+        # process should be running beside)
+        reader = _ReadAhead(tensors, limit)
+        closing.callback(reader.close)
+    for index, st in enumerate(progress(tensors)):
+        t = st.load() if reader is None else reader.take()
+        if ahead.rest is not None and index == ahead.rest[0]:
+            # the KVs came within this matrix: the tensors before it, quantized ahead of the
+            # header, are written and handed to the round trip first (so that their checks
+            # run meanwhile, not all at once after it), then the rest of its rows
+            if window:
+                flush()
+                size = 0
+            ahead.finish_rest(t, device)
+        # (a tensor quantized ahead of the header was checked then: it is read again only
+        # for the round trip)
+        x = None if ahead.has(index) else _to_encode(st, t, device)
+        window.append((index, t if watches else None, x))
+        size += t.numel()
+        del t, x
+        if size >= limit:
+            flush()
+            size = 0
+    if window:
+        flush()
 
 
 def write_gguf(path: Path, arch: str, kvs: Iterable[KV], tensors: list[SourceTensor],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from quantpress.convert.gguf_roundtrip import open_reader
+from quantpress.convert.gguf_reading import open_reader
 
 ARRAY_PREVIEW = 6
 

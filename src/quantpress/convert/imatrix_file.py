@@ -170,7 +170,7 @@ def read_imatrix(path: str | Path) -> Imatrix:
     number of counts. Raises InputError naming the file and entry otherwise."""
     from gguf import GGMLQuantizationType
 
-    from quantpress.convert.gguf_roundtrip import open_reader
+    from quantpress.convert.gguf_reading import open_reader
 
     p = Path(path)
     r = open_reader(p)

@@ -666,7 +666,7 @@ def test_side_lane_output_killed_around_its_record_is_resumed(tmp_path, tiny_lla
 
     from quantpress.batch import manifest as mf
 
-    job = _one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
+    job = batches.one_model_job(tmp_path / "j.toml", tiny_llama_dir, 'gguf = ["Q8_0"]\nawq = [{ group_size = 64 }]')
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-c", _KILLED_AT, point, str(job), str(out)], capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, timeout=600)

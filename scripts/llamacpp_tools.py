@@ -64,11 +64,20 @@ CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", 
 #: may report AMX without enabling its tile state: the first ``tilezero`` / ``ldtilecfg`` then
 #: traps (SIGILL in llama-perplexity, SIGSEGV in a process that loaded the bindings' libggml-cpu,
 #: which killed a test worker). The ISA flags given before -march=native keep AMX out of the
-#: build, every other instruction set of the CPU in (GCC and Clang let an explicit -mno-* win
-#: over what -march implies). None of the reference bytes depends on it: llama-quantize's
-#: quantization is ggml-base's (ggml/src/ggml-quants.c), built without ISA flags.
+#: build, every other instruction set of the CPU in (an explicit -mno-* wins over what
+#: -march implies: ``echo | gcc -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -march=native -dM -E -``
+#: defines no ``__AMX_*__`` with gcc 12 on an AMX Xeon; :func:`amx_excluded`). None of the
+#: reference bytes depends on it: llama-quantize's quantization is ggml-base's
+#: (ggml/src/ggml-quants.c), built without ISA flags.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-if platform.machine().lower() in ("x86_64", "amd64"):
+
+
+def amx_excluded() -> bool:
+    """Whether the build passes :data:`NO_AMX` (on x86)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+if amx_excluded():
     CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import filecmp
 import importlib
+import shutil
+import subprocess
 from pathlib import Path
 
 import llamacpp_tools
+import pytest
 
 
 def test_bindings_load_the_tools_build():
@@ -33,13 +36,7 @@ def test_the_cpu_backend_has_no_amx_code():
     that reports AMX without enabling its tile state traps at the first tile instruction, which
     killed llama-perplexity and the test worker that had loaded the bindings. No tile
     instruction is in the CPU backend's library."""
-    import platform
-    import shutil
-    import subprocess
-
-    import pytest
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not llamacpp_tools.amx_excluded():
         pytest.skip("AMX is x86's")
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, beside the compiler that built llama.cpp) is needed"

@@ -29,13 +29,12 @@ from quantpress.quantize.ggml.processes import codec_process_ids
 from quantpress.errors import InputError
 from quantpress.memory import trim_heap
 
-from .gguf_ahead import AheadOfHeader, PendingKVs
+from .gguf_ahead import KV, AheadOfHeader, PendingKVs
 from .gguf_checks import RoundTrip, SourceTensor
 from .gguf_roundtrip import cores_taken, watch_round_trip
 from .hf import check_finite
 
 
-KV = tuple  # (key, value, GGUFValueType, sub_type or None)
 
 
 def encode(t: torch.Tensor, type_name: str, device: torch.device,

@@ -3,7 +3,7 @@
 Runs COMMAND (everything after ``--``) and reads, every sample, ``/proc/<pid>/smaps_rollup`` of
 the command and each of its descendants: PSS split into anonymous, shared-memory (``MAP_SHARED``
 anonymous mappings such as the checkers' staging areas and the codecs' shared areas) and file
-pages. At the end it prints the tree's peak PSS, when it happened, and the processes alive then
+pages, and the process's private pages (USS: what it alone maps, which ending it would free). At the end it prints the tree's peak PSS, when it happened, and the processes alive then
 with their share, then each process's life span and own peak. quantpress's workers name
 themselves (``qp-check-0``, ``qp-codec-1``, ``qp-metadata``: ``quantpress.workers.lifecycle.
 name_process``), so the rows say which job holds what.
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File")
+FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File", "Private_Clean", "Private_Dirty")
 
 
 def tree(pid: int) -> list[int]:
@@ -62,7 +62,9 @@ def rollup(pid: int) -> dict[str, float] | None:
         return None
     if "Pss" not in got:        # a zombie
         return None
-    return {"name": name, **{k: got.get(k, 0.0) for k in FIELDS}}
+    row = {"name": name, **{k: got.get(k, 0.0) for k in FIELDS}}
+    row["Private"] = row.pop("Private_Clean") + row.pop("Private_Dirty")
+    return row
 
 
 def main() -> int:
@@ -95,10 +97,11 @@ def main() -> int:
     t_peak, at_peak = max(samples, key=lambda s: total(s[1]))
     print(f"exit {proc.returncode}, {wall:.1f} s, {len(samples)} samples; "
           f"peak tree PSS {total(at_peak):.0f} MiB at {t_peak:.1f} s")
-    print(f"{'pid':>8} {'process':16} {'PSS':>7} {'anon':>7} {'shmem':>7} {'file':>7}   (MiB, at the peak)")
+    print(f"{'pid':>8} {'process':16} {'PSS':>7} {'anon':>7} {'shmem':>7} {'file':>7} {'private':>8}"
+          "   (MiB, at the peak)")
     for pid, r in sorted(at_peak.items(), key=lambda kv: -kv[1]["Pss"]):
         print(f"{pid:>8} {r['name'][:16]:16} {r['Pss']:7.0f} {r['Pss_Anon']:7.0f} "
-              f"{r['Pss_Shmem']:7.0f} {r['Pss_File']:7.0f}")
+              f"{r['Pss_Shmem']:7.0f} {r['Pss_File']:7.0f} {r['Private']:8.0f}")
     life: dict[int, list] = {}
     for t, rows in samples:
         for pid, r in rows.items():

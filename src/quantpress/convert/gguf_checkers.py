@@ -27,19 +27,19 @@ from quantpress.workers import SharedArea, Worker, announce_ready, sendable, sta
 #: model's float32 feed-forward matrices each); a checker started alone (the CPU's one) has
 #: :data:`SOLE_STAGING_BYTES`. Each checker process has one: shared memory that it and this
 #: process map (inherited when it is forked), through which the writer hands it its source
-#: tensors: one copy into pages the checker touched at its start, not a new shared-memory
-#: segment per tensor (whose fresh pages each source would fault in). It is also the
+#: tensors: one copy into pages that stay once the first copies made them, not a new
+#: shared-memory segment per tensor (whose fresh pages each source would fault in). It is also the
 #: backlog: the writer waits while no checker's area can hold the next source. Checks cost
 #: unlike their quantization. A larger source goes alone, in shared memory of its own, at most
 #: one per checker at a time. (An area shared by several checkers would free its room in
 #: order, so a slow check would hold back the room of the checks after it.)
 STAGING_BYTES = 1 << 28
 #: bytes of the staging area of a checker started alone (the CPU's one checker,
-#: :func:`~quantpress.convert.gguf_roundtrip.checkers_for`). The checker touches its whole area when it starts, so the area is
-#: memory of the process tree for the whole conversion: 256 MiB made SmolLM2's Q4_K_M peak
-#: 743 MiB, 64 MiB 543 MiB (the 554M random llama's 1,103 against 922), at no measured cost in
-#: time since the checks no longer wait for a slow parse of the file (figures and commands in
-#: docs/benchmarks.md, "Where the peak goes" and "Figures behind the code",
+#: :func:`~quantpress.convert.gguf_roundtrip.checkers_for`). Once the writer's copies have
+#: gone round it, the area is memory of the process tree for the rest of the conversion:
+#: 64 MiB rather than 256 lowered SmolLM2's Q4_K_M peak by about 180 MiB, at no measured cost
+#: in time since the checks no longer wait for a slow parse of the file (figures and commands
+#: in docs/benchmarks.md, "Where the peak goes" and "Figures behind the code",
 #: ``convert/gguf_roundtrip.py``).
 SOLE_STAGING_BYTES = 1 << 26
 
@@ -89,8 +89,8 @@ class StagingArea(SharedArea):
 
 def serve_checks(conn, staging: StagingArea) -> None:
     """A checker process's loop (:func:`quantpress.workers.start_worker`, which closed the
-    pipe ends of its siblings): touches ``staging`` and answers ``("ready",)`` (the writer copies
-    nothing into the area before). Requests: ``("open", key, path, [(name, shape)], types)``
+    pipe ends of its siblings): answers ``("ready",)`` (the writer copies nothing into
+    ``staging`` before), leaving the area's pages to the writer's first copies. Requests: ``("open", key, path, [(name, shape)], types)``
     (a file to check, whose header is on disk: parsed at once), ``("check", key, index, (r0,
     r1), source)`` (rows ``[r0, r1)`` of tensor ``index``, a part of :func:`check_parts`;
     ``source``: those rows of its source, a CPU float tensor in shared memory, or ``(start,
@@ -106,7 +106,10 @@ def serve_checks(conn, staging: StagingArea) -> None:
     with the writer (:mod:`quantpress.workers`' shutdown)."""
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
-    if not announce_ready(conn, staging):   # its pages now exist: the writer's copies do not fault them in
+    # the area is left untouched: its pages come as the writer first copies sources into it,
+    # after the header, and not while the metadata is computed beside the first tensors (then
+    # the process tree's peak: docs/benchmarks.md, "Where the peak goes")
+    if not announce_ready(conn, staging, touch=False):
         return
     files: dict[int, dict] = {}
     while True:
@@ -290,7 +293,7 @@ class CheckerProcesses:
         self._checkers = []
 
     def _ready(self, c: _Checker) -> bool:
-        # wait for the checker's ("ready",): its staging area is touched and may be written;
+        # wait for the checker's ("ready",): its staging area may be written from then on;
         # False when it died first (buried)
         if not c.ready:
             c.ready = wait_ready(c.conn)

@@ -252,8 +252,8 @@ def checker_processes_usable() -> bool:
 
 def start_checkers(device: torch.device) -> None:
     """Start, ahead of a GGUF write on ``device``, the checker processes its round trip will
-    use (:func:`checkers_for`): forked from this process while it is still small, their first
-    touch of their staging areas overlapping the work before the write. A
+    use (:func:`checkers_for`): forked from this process while it is still small, their
+    start overlapping the work before the write. A
     no-op where they cannot run (:func:`checker_processes_usable`, or a process cannot be
     started: the round trip then runs in threads)."""
     if checker_processes_usable():

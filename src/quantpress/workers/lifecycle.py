@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -234,9 +235,17 @@ def start_worker(target, args: tuple = (), name: str = "quantpress-worker", meth
         inherited = [c for _, c in _children().values()] + [mine] if method == "fork" else []
         proc = ctx.Process(target=_child_main, args=(target, theirs, tuple(args), inherited, os.getpid(), pdeath),
                            daemon=True, name=name)
+        if method == "fork":
+            # the objects this process holds now go to the collector's permanent generation in
+            # the child: its collections (every import it makes triggers some) then do not
+            # write into their headers, and their pages stay shared (copy-on-write) instead of
+            # being copied into the child; this process takes them back at once
+            gc.freeze()
         try:
             proc.start()
         finally:
+            if method == "fork":
+                gc.unfreeze()
             theirs.close()
         _children()[proc.pid] = (proc, mine)
     return Worker(proc, mine)

@@ -1,7 +1,7 @@
 """Tensors between a process and its forked workers without the pipe: a :class:`SharedArea`
-(an anonymous ``MAP_SHARED`` mapping made before the fork) that the child touches and
-announces (:func:`announce_ready`) before the parent copies anything into it
-(:func:`wait_ready`). Tensors in shared memory of their own (``share_memory_()``) need
+(an anonymous ``MAP_SHARED`` mapping made before the fork) that the child announces
+(:func:`announce_ready`, touching it first where asked) before the parent copies anything
+into it (:func:`wait_ready`). Tensors in shared memory of their own (``share_memory_()``) need
 nothing from here: :mod:`torch.multiprocessing`'s reductions send their handles.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ class SharedArea:
     creation shares with the creator (the codec and checker workers), with ``bytes``, a uint8
     tensor over it, and :meth:`view`.
 
-    A forked worker touches it and says so before it answers anything (:func:`announce_ready`),
-    so that the area's pages exist before the creator copies into them; the creator must not
-    write into the area before reading that first answer (:func:`wait_ready`): the worker's
-    touch would zero what it wrote (a worker slow to start, such as one left unscheduled on a
+    A forked worker announces it before it answers anything (:func:`announce_ready`), touching
+    it first where its pages should exist before the creator copies into them (the codecs',
+    written at once); the creator must not write into the area before reading that first
+    answer (:func:`wait_ready`): the worker's touch would zero what it wrote (a worker slow to start, such as one left unscheduled on a
     busy machine, made the round trip fail on zeros, tests/test_gguf_many.py)."""
 
     def __init__(self, nbytes: int):
@@ -45,12 +45,15 @@ class SharedArea:
             pass
 
 
-def announce_ready(conn, area: SharedArea) -> bool:
-    """In a forked worker: touch ``area`` (:meth:`SharedArea.touch`), then send ``("ready",)``
-    over ``conn``; the process that forked it writes nothing into the area before reading it
-    (:func:`wait_ready`). False when the pipe is closed already (the worker was ended before
-    it started: it should return)."""
-    area.touch()
+def announce_ready(conn, area: SharedArea, touch: bool = True) -> bool:
+    """In a forked worker: touch ``area`` (:meth:`SharedArea.touch`) unless ``touch`` is
+    False, then send ``("ready",)`` over ``conn``; the process that forked it writes nothing
+    into the area before reading it (:func:`wait_ready`). An untouched area's pages come into
+    being as either process first writes them: memory of the process tree only from then on.
+    False when the pipe is closed already (the worker was ended before it started: it should
+    return)."""
+    if touch:
+        area.touch()
     try:
         conn.send(("ready",))
     except OSError:
